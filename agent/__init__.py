@@ -1,0 +1,1 @@
+"""The hypermesh agent: the daemon that ``hypermesh agent start`` runs on every machine."""

@@ -1,0 +1,95 @@
+"""Which tasks this node should claim next. Pure: reads a view, returns plans.
+
+Order: oldest workflow first, experiments in dependency order, tasks by index,
+so work drains in the order it was submitted. A task is a candidate when it has
+no claim and no result, its workflow is live, its hardware fits this node, the
+node has a free slot (and enough free GPUs), and its experiment's ``workers``
+cap has a free slot key.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from hypermesh.keyspace import TaskRef
+from hypermesh.model import TERMINAL, MeshView, NodeRecord
+from hypermesh.recipe import Hardware
+from hypermesh.txns import ClaimPlan
+
+
+@dataclass
+class LocalLoad:
+    """What this node is already running, including claims the view has not seen yet."""
+
+    running: set[TaskRef] = field(default_factory=set)
+    slots_held: set[tuple[str, str, int]] = field(default_factory=set)
+    gpus_used: float = 0.0
+
+
+def gpu_type_matches(wanted: str | None, have: str) -> bool:
+    """``k80`` matches ``Tesla K80``: a case-insensitive substring test."""
+    return not wanted or wanted.lower() in have.lower()
+
+
+def fits(hw: Hardware, node: NodeRecord) -> bool:
+    """Whether a task with ``hw`` could ever run on ``node`` (ignoring current load)."""
+    if hw.gpus > node.gpus or (hw.gpu and not node.gpus):
+        return False
+    if hw.gpu and not gpu_type_matches(hw.gpu, node.gpu_type):
+        return False
+    if hw.cpus > node.cpus:
+        return False
+    return not (hw.memory and node.memory and hw.memory > node.memory)
+
+
+def choose_claims(
+    view: MeshView, node: NodeRecord, load: LocalLoad, limit: int
+) -> list[ClaimPlan]:
+    """Up to ``limit`` tasks this node can start now, with attempt numbers and slots."""
+    free = node.slots - len(load.running)
+    limit = min(limit, free)
+    if limit <= 0:
+        return []
+    gpus_free = node.gpus - load.gpus_used
+    plans: list[ClaimPlan] = []
+    workflows = sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id))
+    for wf in workflows:
+        if view.workflow_state(wf.id) in TERMINAL:
+            continue
+        for name in wf.recipe.topological_order():
+            if (wf.id, name) not in view.expanded:
+                continue
+            open_indices = view.open.get((wf.id, name))
+            if not open_indices:
+                continue
+            exp = wf.recipe.experiment(name)
+            if not fits(exp.hardware, node):
+                continue
+            free_slots: list[int] = []
+            if exp.workers is not None:
+                taken = view.slots.get((wf.id, name), set())
+                held = {k for (w, e, k) in load.slots_held if (w, e) == (wf.id, name)}
+                free_slots = [k for k in range(exp.workers) if k not in taken and k not in held]
+                if not free_slots:
+                    continue
+            want = limit - len(plans)
+            if exp.workers is not None:
+                want = min(want, len(free_slots))
+            for index in heapq.nsmallest(want + len(load.running), open_indices):
+                ref = TaskRef(wf.id, name, index)
+                if ref in load.running:
+                    continue
+                if exp.hardware.gpus > gpus_free:
+                    break
+                gpus_free -= exp.hardware.gpus
+                attempts = view.attempts.get(ref, {})
+                last = attempts[max(attempts)] if attempts else None
+                lost = last if last is not None and last.state == "running" else None
+                slot = free_slots.pop(0) if exp.workers is not None else None
+                plans.append(ClaimPlan(ref, (last.attempt if last else 0) + 1, slot, lost))
+                if len(plans) >= limit or (exp.workers is not None and not free_slots):
+                    break
+            if len(plans) >= limit:
+                return plans
+    return plans

@@ -1,0 +1,366 @@
+"""The agent daemon: one asyncio program per machine.
+
+It holds one etcd lease for its whole registration (node key, election
+candidacy, every claim), mirrors the namespace with a watch, leads when its
+candidacy is the oldest, claims tasks that fit, runs them, and records each
+attempt with a fenced transaction. SIGTERM (or the Drain RPC) drains it: no new
+claims, running tasks are stopped with a grace period and handed back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from hypermesh._proto import agent_pb2_grpc
+from hypermesh.agent import leader
+from hypermesh.agent.claims import LocalLoad, choose_claims
+from hypermesh.agent.runner import AttemptProcess, Outcome
+from hypermesh.agent.telemetry import detect_machine
+from hypermesh.config import AgentConfig
+from hypermesh.errors import EtcdUnavailable
+from hypermesh.etcd import Etcd
+from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
+from hypermesh.sampling import expand, experiment_seed
+from hypermesh.templating import param_env, render
+from hypermesh.txns import ClaimPlan, claim_tasks, expand_experiment, finish_attempt, set_workflow_state
+
+log = logging.getLogger("hypermesh.agent")
+
+
+@dataclass
+class Running:
+    """An attempt this node is running; owned by the agent's event loop."""
+
+    plan: ClaimPlan
+    claim_revision: int
+    gpus: float
+    process: AttemptProcess | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, endpoints: list[str], namespace: str) -> None:
+        self.cfg = cfg
+        self.ks = Keyspace(namespace)
+        self.etcd = Etcd(endpoints)
+        self.view = MeshView(self.ks)
+        self.machine = detect_machine(cfg.gpus, cfg.gpu_type)
+        self.work_dir = cfg.work_dir.resolve()
+        self.lease = 0
+        self.address = ""
+        self.state = "alive"
+        self.started_at = time.time()
+        self.running: dict[TaskRef, Running] = {}
+        self.decisions: collections.deque[str] = collections.deque(maxlen=200)
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._lease_lost = asyncio.Event()
+        self._mirror_ready = asyncio.Event()
+        self._leader_dirty = True
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._server: grpc.aio.Server | None = None
+
+    # ------------------------------------------------------------------ identity
+    def record(self) -> NodeRecord:
+        return NodeRecord(
+            name=self.cfg.name,
+            address=self.address,
+            pool=self.cfg.pool,
+            spot=self.cfg.spot,
+            slots=self.cfg.slots,
+            gpus=self.machine.gpus,
+            gpu_type=self.machine.gpu_type,
+            cpus=self.machine.cpus,
+            memory=self.machine.memory,
+            labels=dict(self.cfg.labels),
+            state=self.state,
+            started_at=self.started_at,
+            lease=self.lease,
+        )
+
+    def decide(self, message: str) -> None:
+        """Keep a short decision log (claimed, lost lease, result rejected...)."""
+        self.decisions.append(f"{time.time():.3f} {message}")
+        log.info("%s: %s", self.cfg.name, message)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.view.leader() == self.cfg.name
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        from hypermesh.agent.server import AgentServicer
+
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        await self.etcd.connect()
+        self._server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
+        host = self.cfg.listen.rpartition(":")[0]
+        port = self._server.add_insecure_port(self.cfg.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.cfg.listen}")
+        self.address = f"{host}:{port}"
+        await self._server.start()
+        await self._register()
+        (self.work_dir / "agent.address").write_text(self.address + "\n")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_drain)
+        self._tasks = [
+            asyncio.create_task(self._keep_lease(), name="lease"),
+            asyncio.create_task(
+                self.etcd.mirror(
+                    self.ks.root, self.view.apply, self._on_batch,
+                    reset=self.view.reset, ready=self._mirror_ready,
+                ),
+                name="mirror",
+            ),
+            asyncio.create_task(self._schedule(), name="schedule"),
+        ]
+        for t in self._tasks:
+            t.add_done_callback(self._task_died)
+        self.decide(f"started at {self.address} with lease {self.lease:x}")
+        try:
+            await self._stop.wait()
+            await self._drain()
+        finally:
+            for t in self._tasks:
+                t.cancel()
+            for t in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await self.etcd.revoke(self.lease)
+            await self._server.stop(grace=1.0)
+            await self.etcd.close()
+            self._drained.set()
+            self.decide("stopped")
+
+    def _task_died(self, task: asyncio.Task[Any]) -> None:
+        if task.cancelled() or self._stop.is_set():
+            return
+        log.error("%s: %s stopped unexpectedly", self.cfg.name, task.get_name(),
+                  exc_info=task.exception())
+        self.request_drain()
+
+    def request_drain(self) -> None:
+        if not self._stop.is_set():
+            self.decide("drain requested")
+            self._stop.set()
+
+    async def wait_drained(self) -> None:
+        await self._drained.wait()
+
+    async def _register(self) -> None:
+        self.lease = await self.etcd.grant(self.cfg.lease_ttl)
+        await self.etcd.put(self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease)
+        await self.etcd.put(
+            self.ks.candidate(self.lease), dumps({"node": self.cfg.name}), self.lease
+        )
+
+    async def _keep_lease(self) -> None:
+        while True:
+            await self.etcd.keep_lease(self.lease, self.cfg.lease_ttl, self._lease_lost.set)
+            self._wake.set()
+            await self._handle_lease_lost()
+
+    async def _handle_lease_lost(self) -> None:
+        """Our claims are gone: stop every attempt now (their results would be
+        rejected anyway), then rejoin with a new lease."""
+        self.decide(f"lost lease {self.lease:x}; stopping {len(self.running)} attempts")
+        for r in list(self.running.values()):
+            if r.process is not None:
+                r.process.stop("node-lost", grace=0)
+        while self.running:
+            await asyncio.sleep(0.05)
+        while True:
+            try:
+                await self._register()
+                break
+            except EtcdUnavailable as exc:
+                log.warning("re-register failed: %s", exc)
+                await asyncio.sleep(1)
+        self._lease_lost.clear()
+        self.decide(f"rejoined with lease {self.lease:x}")
+        self._wake.set()
+
+    def _on_batch(self, revision: int) -> None:
+        self._leader_dirty = True
+        self._wake.set()
+
+    # ------------------------------------------------------------------ scheduling
+    async def _schedule(self) -> None:
+        await self._mirror_ready.wait()
+        while not self._stop.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            if self._stop.is_set() or self._lease_lost.is_set():
+                continue
+            try:
+                if self._leader_dirty and self.is_leader:
+                    self._leader_dirty = False
+                    await self._lead()
+                self._stop_cancelled()
+                await self._claim()
+            except EtcdUnavailable as exc:
+                log.warning("%s: %s", self.cfg.name, exc)
+                await asyncio.sleep(0.5)
+                self._wake.set()
+
+    async def _lead(self) -> None:
+        for action in leader.plan(self.view):
+            if isinstance(action, leader.Expand):
+                wf = self.view.workflows[action.workflow]
+                exp = wf.recipe.experiment(action.experiment)
+                params = expand(exp, experiment_seed(wf.seed, exp))
+                if await expand_experiment(self.etcd, self.ks, wf.id, exp.name, params):
+                    self.decide(f"expanded {wf.id}/{exp.name} into {len(params)} tasks")
+            else:
+                if await set_workflow_state(
+                    self.etcd, self.ks, action.workflow, action.expected, action.state
+                ):
+                    self.decide(f"workflow {action.workflow} is {action.state}")
+
+    def _stop_cancelled(self) -> None:
+        for ref, r in self.running.items():
+            if r.process is not None and self.view.workflow_state(ref.workflow) == "cancelled":
+                r.process.stop("cancelled")
+
+    def _load(self) -> LocalLoad:
+        load = LocalLoad()
+        for ref, r in self.running.items():
+            load.running.add(ref)
+            if r.plan.slot is not None:
+                load.slots_held.add((ref.workflow, ref.experiment, r.plan.slot))
+            load.gpus_used += r.gpus
+        return load
+
+    async def _claim(self) -> None:
+        while not self._stop.is_set() and not self._lease_lost.is_set():
+            batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
+            plans = choose_claims(self.view, self.record(), self._load(), batch)
+            if not plans:
+                return
+            revision = await claim_tasks(
+                self.etcd, self.ks, plans, self.cfg.name, self.lease, time.time()
+            )
+            if revision is None:
+                # Someone else got there first; the watch will bring the change.
+                return
+            for plan in plans:
+                exp = self.view.workflows[plan.ref.workflow].recipe.experiment(plan.ref.experiment)
+                r = Running(plan, revision, exp.hardware.gpus)
+                self.running[plan.ref] = r
+                if plan.lost is not None:
+                    self.decide(f"{plan.ref} attempt {plan.lost.attempt} on {plan.lost.node} lost")
+                r.task = asyncio.create_task(self._execute(r), name=f"attempt {plan.ref}")
+            self.decide(f"claimed {', '.join(str(p.ref) for p in plans)}")
+
+    # ------------------------------------------------------------------ execution
+    def attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
+        return self.work_dir / "attempts" / ref.id / str(attempt)
+
+    def _environment(self, ref: TaskRef, attempt: int, params: dict[str, Any]) -> dict[str, str]:
+        wf = self.view.workflows[ref.workflow]
+        exp = wf.recipe.experiment(ref.experiment)
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in dict(wf.recipe.env).items()})
+        env.update({k: str(v) for k, v in dict(exp.env).items()})
+        env.update(param_env(params))
+        env.update(
+            HM_WORKFLOW_ID=ref.workflow,
+            HM_EXPERIMENT=ref.experiment,
+            HM_TASK_ID=ref.id,
+            HM_TASK_INDEX=str(ref.index),
+            HM_ATTEMPT=str(attempt),
+            HM_NODE=self.cfg.name,
+            HM_ATTEMPT_DIR=str(self.attempt_dir(ref, attempt)),
+        )
+        return env
+
+    async def _execute(self, r: Running) -> None:
+        ref, n = r.plan.ref, r.plan.attempt
+        started = time.time()
+        try:
+            wf = self.view.workflows[ref.workflow]
+            exp = wf.recipe.experiment(ref.experiment)
+            params = self.view.tasks.get(ref, {}).get("params", {})
+            values = dict(params) | {
+                "workflow_id": ref.workflow, "experiment": ref.experiment,
+                "task_id": ref.id, "task_index": ref.index, "attempt": n,
+            }
+            commands = [render(c, values) for c in exp.command]
+            r.process = AttemptProcess(
+                commands,
+                env=self._environment(ref, n, params),
+                cwd=Path(wf.workdir or self.work_dir),
+                log_path=self.attempt_dir(ref, n) / "output.log",
+                timeout=exp.timeout,
+                grace=self.cfg.kill_grace,
+            )
+            if self._stop.is_set():
+                r.process.stop("preempted")
+            outcome = await r.process.run()
+            await self._finish(r, exp.retries, started, outcome)
+        except Exception:
+            log.exception("%s: attempt %s/%d crashed", self.cfg.name, ref, n)
+            await self._finish(r, 0, started, Outcome("failed", None, "exit", time.time()))
+        finally:
+            self.running.pop(ref, None)
+            self._wake.set()
+
+    async def _finish(self, r: Running, retries: int, started: float, outcome: Outcome) -> None:
+        ref, n = r.plan.ref, r.plan.attempt
+        attempt = Attempt(
+            n, self.cfg.name, outcome.state, outcome.exit_code, outcome.reason,
+            started, outcome.ended_at,
+        )
+        final: str | None = outcome.state
+        if outcome.state == "failed":
+            if outcome.reason in ("exit", "timeout"):
+                failures = self.view.counted_failures(ref) + 1
+                final = "failed" if failures > retries else None
+            else:
+                final = None  # node-lost / preempted: runs again, not counted
+        for delay in (0.1, 0.5, 1, 2, 4, 8):
+            try:
+                ok = await finish_attempt(
+                    self.etcd, self.ks, ref, r.claim_revision, r.plan.slot, attempt, final
+                )
+                break
+            except EtcdUnavailable as exc:
+                log.warning("recording %s attempt %d: %s", ref, n, exc)
+                await asyncio.sleep(delay)
+        else:
+            ok = False
+        if ok:
+            suffix = f"; task {final}" if final else "; will run again"
+            self.decide(f"{ref} attempt {n} {outcome.state} ({outcome.reason}){suffix}")
+        else:
+            self.decide(f"{ref} attempt {n} result rejected: claim no longer ours")
+
+    async def _drain(self) -> None:
+        self.state = "draining"
+        with contextlib.suppress(EtcdUnavailable):
+            await self.etcd.put(
+                self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease
+            )
+        for r in list(self.running.values()):
+            if r.process is not None:
+                r.process.stop("preempted")
+        deadline = time.monotonic() + self.cfg.kill_grace + 10
+        while self.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.decide("drained")

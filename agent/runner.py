@@ -1,0 +1,129 @@
+"""Running one attempt of a task as subprocesses.
+
+The commands of a task run in order, each as ``/bin/bash -c COMMAND`` in its own
+process group (so a stop reaches every child), with stdout and stderr appended to
+one log file. The first failing command ends the attempt. A stop (cancel, drain,
+timeout) sends SIGTERM to the group, then SIGKILL after the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended: ``state`` is succeeded, failed or cancelled."""
+
+    state: str
+    exit_code: int | None
+    reason: str
+    ended_at: float
+
+
+class AttemptProcess:
+    """One attempt's processes. Only the agent's task that owns it calls ``run``;
+    anyone may call ``stop``."""
+
+    def __init__(
+        self,
+        commands: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        log_path: Path,
+        timeout: float | None,
+        grace: float,
+    ) -> None:
+        self.commands = list(commands)
+        self.env = dict(env)
+        self.cwd = cwd
+        self.log_path = log_path
+        self.timeout = timeout
+        self.grace = grace
+        self._stop_reason: str | None = None
+        self._stopped = asyncio.Event()
+        self._proc: asyncio.subprocess.Process | None = None
+
+    def stop(self, reason: str, grace: float | None = None) -> None:
+        """Ask the attempt to end with ``reason`` (cancelled, preempted, node-lost)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            if grace is not None:
+                self.grace = grace
+            self._stopped.set()
+
+    async def run(self) -> Outcome:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        with open(self.log_path, "ab", buffering=0) as log:
+            if not self.cwd.is_dir():
+                log.write(f"[hypermesh] workdir {self.cwd} does not exist on this node\n".encode())
+                return Outcome("failed", 127, "exit", time.time())
+            for command in self.commands:
+                if self._stop_reason is not None:
+                    return self._stopped_outcome(None)
+                log.write(f"[hypermesh] $ {command}\n".encode())
+                code, timed_out = await self._run_one(command, log, deadline)
+                if timed_out:
+                    log.write(f"[hypermesh] timed out after {self.timeout:g}s\n".encode())
+                    return Outcome("failed", code, "timeout", time.time())
+                if self._stop_reason is not None:
+                    return self._stopped_outcome(code)
+                if code != 0:
+                    log.write(f"[hypermesh] exit code {code}\n".encode())
+                    return Outcome("failed", code, "exit", time.time())
+        return Outcome("succeeded", 0, "exit", time.time())
+
+    def _stopped_outcome(self, code: int | None) -> Outcome:
+        reason = self._stop_reason or "cancelled"
+        state = "cancelled" if reason == "cancelled" else "failed"
+        return Outcome(state, code, reason, time.time())
+
+    async def _run_one(self, command: str, log: object, deadline: float | None) -> tuple[int, bool]:
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/bash", "-c", command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=log,  # type: ignore[arg-type]
+            stderr=asyncio.subprocess.STDOUT,
+            cwd=self.cwd,
+            env=self.env,
+            start_new_session=True,
+        )
+        self._proc = proc
+        waiter = asyncio.ensure_future(proc.wait())
+        stopper = asyncio.ensure_future(self._stopped.wait())
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, stopper}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            stopper.cancel()
+        if waiter in done:
+            return waiter.result(), False
+        timed_out = stopper not in done
+        await self._terminate(proc, waiter)
+        return waiter.result(), timed_out
+
+    async def _terminate(self, proc: asyncio.subprocess.Process, waiter: asyncio.Future[int]) -> None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout=self.grace)
+        except TimeoutError:
+            _signal_group(proc.pid, signal.SIGKILL)
+            await waiter
+        # Children that ignored SIGTERM and outlived their parent still die.
+        _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -1,0 +1,86 @@
+"""The agent's gRPC service: node status, attempt logs, drain.
+
+Errors become gRPC status codes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.agent.telemetry import cpu_percent
+from hypermesh.keyspace import TaskRef
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+
+CHUNK = 64 * 1024
+FOLLOW_POLL_S = 0.2
+
+
+class AgentServicer(agent_pb2_grpc.AgentServicer):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    async def GetNode(self, request: agent_pb2.GetNodeRequest, context: object) -> agent_pb2.NodeStatus:
+        a = self.agent
+        rec = a.record()
+        return agent_pb2.NodeStatus(
+            name=rec.name, address=rec.address, pool=rec.pool, spot=rec.spot,
+            slots=rec.slots, running=len(a.running), gpus=rec.gpus, gpu_type=rec.gpu_type,
+            cpus=rec.cpus, memory_bytes=rec.memory, leader=a.is_leader, state=a.state,
+            running_tasks=sorted(str(r) for r in a.running), labels=rec.labels,
+            cpu_percent=cpu_percent(), lease_id=a.lease, started_at=a.started_at,
+        )
+
+    async def ReadLogs(
+        self, request: agent_pb2.ReadLogsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.LogChunk]:
+        a = self.agent
+        try:
+            ref = TaskRef.parse(request.task_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        base = a.work_dir / "attempts" / ref.id
+        attempt = request.attempt
+        if attempt <= 0:
+            ran = [int(p.name) for p in base.glob("*") if p.name.isdigit()] if base.is_dir() else []
+            if not ran:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"node {a.cfg.name} has no log of task {ref}"
+                )
+            attempt = max(ran)
+        path = base / str(attempt) / "output.log"
+        if not path.exists() and not self._running(ref, attempt):
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"node {a.cfg.name} has no log of task {ref} attempt {attempt}",
+            )
+        offset = max(0, request.offset)
+        while True:
+            still_running = self._running(ref, attempt)
+            if path.exists():
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    while data := f.read(CHUNK):
+                        offset += len(data)
+                        yield agent_pb2.LogChunk(data=data, attempt=attempt)
+            if not request.follow or not still_running:
+                return
+            await asyncio.sleep(FOLLOW_POLL_S)
+
+    def _running(self, ref: TaskRef, attempt: int) -> bool:
+        r = self.agent.running.get(ref)
+        return r is not None and r.plan.attempt == attempt
+
+    async def Drain(self, request: agent_pb2.DrainRequest, context: object) -> agent_pb2.DrainReply:
+        a = self.agent
+        count = len(a.running)
+        if request.grace_seconds > 0:
+            a.cfg = a.cfg.replace(kill_grace=request.grace_seconds)
+        a.request_drain()
+        return agent_pb2.DrainReply(released=count)

@@ -1,0 +1,3 @@
+from hypermesh.cli import main
+
+main()

@@ -1,0 +1,424 @@
+"""The ``hypermesh`` command line: the stable contract users' scripts drive.
+
+Exit codes: 0 success; 1 a failure at run time (a workflow failed, etcd did not
+answer, an object does not exist); 2 bad input (a usage error or an invalid
+recipe — nothing was submitted). Machine-readable output (``--json``, the
+workflow id of ``submit``) goes to stdout; progress and errors to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import grpc
+
+from hypermesh.config import (
+    ENV_ETCD,
+    ENV_NAMESPACE,
+    AgentConfig,
+    default_etcd,
+    default_namespace,
+)
+from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
+from hypermesh.etcd import Etcd, parse_endpoints
+from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.model import TERMINAL, MeshView, WorkflowRecord
+
+T = TypeVar("T")
+
+
+def _err(message: str) -> None:
+    click.echo(f"hypermesh: {message}", err=True)
+
+
+def run_async(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
+    """Run an async command; turn hypermesh errors into messages and exit codes."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return asyncio.run(fn(*args, **kwargs))
+        except RecipeError as exc:
+            for problem in exc.problems:
+                click.echo(f"error: {problem}", err=True)
+            _err(f"recipe rejected with {len(exc.problems)} problem(s); nothing was submitted")
+            sys.exit(2)
+        except UsageError as exc:
+            _err(f"error: {exc}")
+            sys.exit(2)
+        except HypermeshError as exc:
+            _err(f"error: {exc}")
+            sys.exit(1)
+
+    return wrapper
+
+
+class Mesh:
+    """Where the CLI finds the mesh: etcd endpoints and namespace."""
+
+    def __init__(self, etcd: str, namespace: str) -> None:
+        self.endpoints = parse_endpoints(etcd)
+        try:
+            self.ks = Keyspace(namespace)
+        except ValueError as exc:
+            raise UsageError(f"--namespace: {exc}") from exc
+
+    def connect(self) -> Etcd:
+        return Etcd(self.endpoints)
+
+
+def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``--etcd`` and ``--namespace`` on every command (also accepted before it)."""
+    fn = click.option(
+        "--namespace", "namespace", default=None, metavar="NAME",
+        help=f"Mesh namespace in etcd [env {ENV_NAMESPACE}; default 'default'].",
+    )(fn)
+    fn = click.option(
+        "--etcd", "etcd", default=None, metavar="URL[,URL...]",
+        help=f"etcd endpoints [env {ENV_ETCD}; default http://127.0.0.1:2379].",
+    )(fn)
+
+    @wraps(fn)
+    def wrapper(*args: Any, etcd: str | None, namespace: str | None, **kwargs: Any) -> Any:
+        root = click.get_current_context().find_root().params
+        etcd = etcd or root.get("etcd") or default_etcd()
+        namespace = namespace or root.get("namespace") or default_namespace()
+        try:
+            mesh = Mesh(etcd, namespace)
+        except UsageError as exc:
+            _err(f"error: {exc}")
+            sys.exit(2)
+        return fn(*args, mesh=mesh, **kwargs)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--etcd", default=None, metavar="URL[,URL...]", help="etcd endpoints.")
+@click.option("--namespace", default=None, metavar="NAME", help="Mesh namespace in etcd.")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr.")
+@click.version_option(package_name="hypermesh")
+def main(etcd: str | None, namespace: str | None, verbose: int) -> None:
+    """Run batch deep-learning work on a mesh of on-prem and spot machines."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+# ---------------------------------------------------------------------- agent
+@main.group()
+def agent() -> None:
+    """Run the agent on this machine."""
+
+
+def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--label")
+        out[key] = value
+    return out
+
+
+@agent.command("start")
+@click.option("--name", default=None, help="Node name, unique in the mesh [default: host name].")
+@click.option("--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT.")
+@click.option("--work-dir", type=click.Path(path_type=Path), default=Path("hypermesh-work"),
+              show_default=True, help="Attempt logs and scratch space.")
+@click.option("--slots", type=int, default=1, show_default=True, help="Tasks run at once.")
+@click.option("--pool", default="default", show_default=True, help="Pool this node belongs to.")
+@click.option("--spot", is_flag=True, help="This is a preemptible (spot) machine.")
+@click.option("--gpus", type=int, default=None, help="GPU count [default: from NVML].")
+@click.option("--gpu-type", default=None, help="GPU type, e.g. a100 [default: from NVML].")
+@click.option("--label", "labels", multiple=True, metavar="K=V", help="Node label (repeatable).")
+@click.option("--lease-ttl", type=int, default=None,
+              help="Seconds until etcd drops a silent node [lan: 10, local: 3].")
+@click.option("--grace", type=float, default=None,
+              help="Seconds between SIGTERM and SIGKILL for stopped tasks [lan: 10, local: 2].")
+@click.option("--preset", type=click.Choice(["lan", "local"]), default="lan", show_default=True,
+              help="Timing preset; 'local' is for tests and the local mesh.")
+@mesh_options
+def agent_start(mesh: Mesh, name: str | None, listen: str, work_dir: Path, slots: int,
+                pool: str, spot: bool, gpus: int | None, gpu_type: str | None,
+                labels: tuple[str, ...], lease_ttl: int | None, grace: float | None,
+                preset: str) -> None:
+    """Start the agent: register, lead when elected, claim and run tasks.
+
+    SIGTERM drains: no new claims; running tasks get SIGTERM, then SIGKILL after
+    the grace period, and go back to the mesh to run elsewhere.
+    """
+    from hypermesh.agent.daemon import Agent
+
+    overrides: dict[str, Any] = {
+        "listen": listen, "work_dir": work_dir, "slots": slots, "pool": pool, "spot": spot,
+        "gpus": gpus, "gpu_type": gpu_type, "labels": _parse_labels(labels),
+    }
+    if name:
+        overrides["name"] = name
+    if lease_ttl is not None:
+        overrides["lease_ttl"] = lease_ttl
+    if grace is not None:
+        overrides["kill_grace"] = grace
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        logging.getLogger().setLevel(logging.INFO)
+    try:
+        cfg = AgentConfig.local(**overrides) if preset == "local" else AgentConfig.lan(**overrides)
+    except UsageError as exc:
+        _err(f"error: {exc}")
+        sys.exit(2)
+    run_async(Agent(cfg, mesh.endpoints, mesh.ks.namespace).run)()
+
+
+# ---------------------------------------------------------------------- submit
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--name", default=None, help="Workflow name [default: recipe's name or file stem].")
+@click.option("--set", "overrides", multiple=True, metavar="EXP.FIELD=VALUE",
+              help="Override a recipe field (repeatable), e.g. mnist.samples=10.")
+@click.option("--seed", type=int, default=None, help="Seed for parameter sampling.")
+@click.option("--wait", is_flag=True, help="Show progress; exit 0 if all tasks succeed, else 1.")
+@mesh_options
+@run_async
+async def submit(mesh: Mesh, recipe: Path, name: str | None, overrides: tuple[str, ...],
+                 seed: int | None, wait: bool) -> None:
+    """Submit a recipe; print the workflow id as the last word on stdout."""
+    from hypermesh.recipe import load_recipe
+    from hypermesh.txns import new_workflow_id, submit_workflow
+
+    parsed = load_recipe(recipe, overrides)
+    base = recipe.resolve().parent
+    workdir = (base / parsed.workdir).resolve() if parsed.workdir else base
+    seed = seed if seed is not None else parsed.seed
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    wf_name = name or parsed.name or recipe.stem
+    wf = WorkflowRecord(
+        id=new_workflow_id(wf_name), name=wf_name, recipe=parsed, seed=seed,
+        submitted_at=time.time(), workdir=str(workdir), source=str(recipe),
+    )
+    async with mesh.connect() as etcd:
+        await submit_workflow(etcd, mesh.ks, wf)
+        _err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
+        if not wait:
+            click.echo(wf.id)
+            return
+        state = await _follow(etcd, mesh.ks, wf.id)
+    click.echo(wf.id)
+    sys.exit(0 if state == "succeeded" else 1)
+
+
+async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
+    """Show a workflow's progress on stderr until it ends; return its final state."""
+    from hypermesh.progress import ProgressDisplay
+
+    view = MeshView(ks)
+    changed = asyncio.Event()
+
+    def on_batch(revision: int) -> None:
+        changed.set()
+
+    mirror = asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch))
+    display = ProgressDisplay(wid)
+    try:
+        while True:
+            await changed.wait()
+            changed.clear()
+            if wid not in view.workflows:
+                continue
+            summary = view.workflow_summary(wid)
+            display.update(summary)
+            if summary["state"] in TERMINAL:
+                display.close(summary)
+                return str(summary["state"])
+            await asyncio.sleep(0.1)
+    finally:
+        mirror.cancel()
+        display.close(None)
+
+
+# ---------------------------------------------------------------------- reading
+async def load_view(etcd: Etcd, ks: Keyspace, wid: str | None = None) -> MeshView:
+    """A view of the whole namespace, or of one workflow (raises NotFound)."""
+    view = MeshView(ks)
+    if wid is None:
+        prefixes = [ks.root]
+    else:
+        prefixes = [p for p in ks.workflow_prefixes(wid) if p.endswith("/")]
+    for prefix in prefixes:
+        kvs, _ = await etcd.get_prefix(prefix)
+        for kv in kvs:
+            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    if wid is not None:
+        for key in (ks.workflow(wid), ks.workflow_state(wid)):
+            found = await etcd.get(key)
+            if found is not None:
+                view.apply(key, found[0], 0, found[1])
+        if wid not in view.workflows:
+            raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
+    return view
+
+
+def _print_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
+@main.command()
+@click.argument("workflow", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
+    """Show a workflow's state per experiment (all workflows if none is named)."""
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+    ids = [workflow] if workflow else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+    summaries = [view.workflow_summary(w) for w in ids]
+    if as_json:
+        _print_json(summaries[0] if workflow else summaries)
+        return
+    if not summaries:
+        click.echo("no workflows")
+    for s in summaries:
+        click.echo(f"{s['id']}  {s['name']}  {s['state']}")
+        click.echo(f"  {'EXPERIMENT':<20}{'STATE':<11}{'TOTAL':>6}{'PEND':>6}{'RUN':>6}"
+                   f"{'OK':>6}{'FAIL':>6}{'CANC':>6}")
+        for name, e in s["experiments"].items():
+            click.echo(f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
+                       f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}")
+
+
+@main.command()
+@click.argument("workflow")
+@click.option("--experiment", default=None, help="Only tasks of this experiment.")
+@click.option("--state", "state_filter", default=None,
+              type=click.Choice(["pending", "running", "succeeded", "failed", "cancelled"]),
+              help="Only tasks in this state.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def tasks(mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None,
+                as_json: bool) -> None:
+    """List a workflow's tasks with their parameters and attempts."""
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+    rows = [view.task_json(ref) for ref in view.task_refs(workflow, experiment)]
+    if state_filter:
+        rows = [r for r in rows if r["state"] == state_filter]
+    if as_json:
+        _print_json(rows)
+        return
+    for r in rows:
+        last = r["attempts"][-1] if r["attempts"] else {}
+        params = " ".join(f"{k}={v}" for k, v in r["params"].items())
+        click.echo(f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
+                   f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def nodes(mesh: Mesh, as_json: bool) -> None:
+    """List the live nodes of the mesh; the leader is marked."""
+    ks = mesh.ks
+    view = MeshView(ks)
+    async with mesh.connect() as etcd:
+        for prefix in (ks.nodes, ks.election, ks.kind_prefix("claim")):
+            kvs, _ = await etcd.get_prefix(prefix)
+            for kv in kvs:
+                view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    leader = view.leader()
+    running: dict[str, int] = {}
+    for c in view.claims.values():
+        running[c.node] = running.get(c.node, 0) + 1
+    rows = [
+        {
+            "name": n.name, "address": n.address, "state": n.state, "pool": n.pool,
+            "spot": n.spot, "slots": n.slots, "running": running.get(n.name, 0),
+            "gpus": n.gpus, "gpu_type": n.gpu_type, "cpus": n.cpus, "memory": n.memory,
+            "labels": n.labels, "leader": n.name == leader,
+        }
+        for n in sorted(view.nodes.values(), key=lambda n: n.name)
+    ]
+    if as_json:
+        _print_json(rows)
+        return
+    click.echo(f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'POOL':<10}{'SLOTS':>6}{'RUN':>5}"
+               f"{'GPUS':>5}  LEADER")
+    for r in rows:
+        click.echo(f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['pool']:<10}"
+                   f"{r['slots']:>6}{r['running']:>5}{r['gpus']:>5}  {'*' if r['leader'] else ''}")
+
+
+@main.command()
+@click.argument("task_id")
+@click.option("--attempt", type=int, default=0, help="Attempt number [default: the latest].")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
+@mesh_options
+@run_async
+async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool) -> None:
+    """Print a task attempt's output (stdout and stderr), fetched from its node."""
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    try:
+        ref = TaskRef.parse(task_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    ks = mesh.ks
+    async with mesh.connect() as etcd:
+        kvs, _ = await etcd.get_prefix(ks.kind_prefix("attempt") + ref.path + "/")
+        view = MeshView(ks)
+        for kv in kvs:
+            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+        attempts = view.attempts.get(ref, {})
+        if not attempts:
+            raise NotFound(f"task {ref} has not run yet (no attempts)")
+        n = attempt or max(attempts)
+        if n not in attempts:
+            raise NotFound(f"task {ref} has no attempt {n} (attempts: {sorted(attempts)})")
+        node = attempts[n].node
+        found = await etcd.get(ks.node(node))
+    if found is None:
+        raise NotFound(f"node {node}, which ran {ref} attempt {n}, is gone; its log was on its disk")
+    address = json.loads(found[0])["address"]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentStub(channel)
+        request = agent_pb2.ReadLogsRequest(task_id=ref.id, attempt=n, follow=follow)
+        try:
+            async for chunk in stub.ReadLogs(request):
+                sys.stdout.buffer.write(chunk.data)
+                sys.stdout.flush()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(exc.details() or "no such log") from exc
+            raise HypermeshError(f"node {node} at {address}: {exc.details()}") from exc
+
+
+@main.command()
+@click.argument("workflow")
+@mesh_options
+@run_async
+async def cancel(mesh: Mesh, workflow: str) -> None:
+    """Cancel a workflow: nothing new starts and running tasks are stopped."""
+    from hypermesh.txns import cancel_workflow
+
+    async with mesh.connect() as etcd:
+        state = await cancel_workflow(etcd, mesh.ks, workflow)
+    if state == "cancelled":
+        _err(f"{workflow} cancelled; running tasks are being stopped")
+    else:
+        _err(f"{workflow} had already ended: {state}")
+
+
+if __name__ == "__main__":
+    main()

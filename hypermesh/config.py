@@ -1,0 +1,105 @@
+"""Configuration of an agent: one frozen dataclass, validated once, with presets.
+
+Every field states its unit and trade-off. ``AgentConfig.lan()`` is the default
+for real machines; ``AgentConfig.local()`` has tight timings for tests and the
+local mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hypermesh.errors import UsageError
+from hypermesh.keyspace import NAME_RE
+
+ENV_ETCD = "HYPERMESH_ETCD"
+ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """How one agent runs. Construct with ``lan(...)`` or ``local(...)``."""
+
+    name: str = field(default_factory=socket.gethostname)
+    """Node name, unique in the mesh; its registration key and log lines use it."""
+
+    listen: str = "127.0.0.1:7070"
+    """HOST:PORT the gRPC server binds; port 0 picks a free port. Peers and the CLI
+    reach the node at the address it registers (the bound one)."""
+
+    work_dir: Path = Path("hypermesh-work")
+    """Where attempt logs and per-attempt scratch directories live."""
+
+    slots: int = 1
+    """Tasks run at once on this node (1-4096)."""
+
+    pool: str = "default"
+    spot: bool = False
+    gpus: int | None = None
+    """GPU count; None = ask NVML (0 when NVML is absent)."""
+
+    gpu_type: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    lease_ttl: int = 10
+    """Seconds of silence after which etcd drops this node and its claims (2-3600).
+    Lower: a dead node's tasks run again sooner. Higher: an etcd hiccup or a long
+    GC pause is less likely to cost the node its claims. Recovery never waits
+    longer than one TTL after a death."""
+
+    kill_grace: float = 10.0
+    """Seconds a task has between SIGTERM and SIGKILL when cancelled, timed out or
+    drained (0-3600)."""
+
+    claim_batch: int = 32
+    """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
+    fewer round trips when many tasks are pending, but conflict more often when
+    many agents race for the same tasks."""
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name):
+            raise UsageError(
+                f"--name {self.name!r}: 1-63 letters, digits, '-' or '_', "
+                "starting with a letter or digit"
+            )
+        _check_range("--slots", self.slots, 1, 4096)
+        _check_range("--lease-ttl", self.lease_ttl, 2, 3600)
+        _check_range("--grace", self.kill_grace, 0, 3600)
+        _check_range("claim_batch", self.claim_batch, 1, 100)
+        if self.gpus is not None:
+            _check_range("--gpus", self.gpus, 0, 1024)
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise UsageError(f"--listen {self.listen!r}: expected HOST:PORT")
+
+    @classmethod
+    def lan(cls, **overrides: object) -> AgentConfig:
+        """Defaults for machines on one network."""
+        return cls(**overrides)  # type: ignore[arg-type]
+
+    @classmethod
+    def local(cls, **overrides: object) -> AgentConfig:
+        """Tight timings for tests and the local mesh: fast death detection and kills."""
+        base: dict[str, object] = {"lease_ttl": 3, "kill_grace": 2.0}
+        return cls(**(base | overrides))  # type: ignore[arg-type]
+
+    def replace(self, **changes: object) -> AgentConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise UsageError(f"{name} {value} is out of range: allowed {low}..{high}")
+
+
+def default_etcd() -> str:
+    return os.environ.get(ENV_ETCD, "http://127.0.0.1:2379")
+
+
+def default_namespace() -> str:
+    return os.environ.get(ENV_NAMESPACE, DEFAULT_NAMESPACE)

@@ -1,0 +1,69 @@
+"""One exception hierarchy for all of hypermesh.
+
+Two axes matter to callers: whether retrying can help (``TransientError``) or
+not (``FatalError``), and the coordination cases that change what a node may do
+(``LeaseLost``, ``NotLeader``, ``ClaimLost``). Translation to exit codes (CLI),
+gRPC status codes (agent) and errno (chunkfs) happens only at those edges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class HypermeshError(Exception):
+    """Base of every error hypermesh raises on purpose."""
+
+
+class TransientError(HypermeshError):
+    """A failure that may go away if the same operation is tried again later."""
+
+
+class FatalError(HypermeshError):
+    """A failure that retrying will not fix (bad input, missing object, bug)."""
+
+
+class UsageError(FatalError):
+    """The user asked for something that cannot be done; the message says why."""
+
+
+class NotFound(FatalError):
+    """A named object (workflow, task, node) does not exist."""
+
+
+class EtcdUnavailable(TransientError):
+    """No etcd endpoint answered in time."""
+
+
+class LeaseLost(HypermeshError):
+    """This node's etcd lease expired or was revoked; its claims are gone."""
+
+
+class ClaimLost(HypermeshError):
+    """A fenced write failed because the task's claim is no longer ours."""
+
+
+class NotLeader(HypermeshError):
+    """A leader-only action was attempted by a node that does not lead."""
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One problem found in a recipe, located as precisely as we can."""
+
+    source: str
+    line: int | None
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.source}:{self.line}" if self.line else self.source
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class RecipeError(UsageError):
+    """A recipe was rejected; ``problems`` lists every problem found, in line order."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = sorted(problems, key=lambda p: (p.line or 0, p.path, p.message))
+        super().__init__("\n".join(str(p) for p in self.problems))

@@ -1,0 +1,249 @@
+"""The etcd edge: connecting, transactions, mirroring a prefix, keeping a lease.
+
+Everything that talks to etcd goes through here, so errors from the client
+library are translated once into ``hypermesh.errors`` types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import grpc
+from etcd3aio import Etcd3Client, EtcdError
+from etcd3aio.kv import KVService, prefix_range_end
+
+from hypermesh.errors import EtcdUnavailable, LeaseLost, UsageError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ETCD = "http://127.0.0.1:2379"
+# One etcd transaction may hold at most this many operations (etcd's --max-txn-ops
+# default is 128; stay below it).
+MAX_TXN_OPS = 120
+
+
+def parse_endpoints(urls: str) -> list[str]:
+    """``http://h1:2379,h2:2379`` -> ``["h1:2379", "h2:2379"]``; names a bad entry."""
+    endpoints = []
+    for raw in urls.split(","):
+        raw = raw.strip()
+        if not raw:
+            continue
+        parsed = urlparse(raw if "://" in raw else f"http://{raw}")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
+            raise UsageError(f"bad etcd endpoint {raw!r}: expected http://HOST:PORT")
+        if parsed.scheme == "https":
+            raise UsageError(f"etcd endpoint {raw!r}: TLS endpoints are not supported yet")
+        endpoints.append(f"{parsed.hostname}:{parsed.port}")
+    if not endpoints:
+        raise UsageError("no etcd endpoint given")
+    return endpoints
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: Any
+
+
+class Etcd:
+    """A connected etcd client with the few operations hypermesh needs."""
+
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+        self.endpoints = list(endpoints)
+        self.timeout = timeout
+        self.client = Etcd3Client(self.endpoints, rpc_max_attempts=5)
+
+    async def __aenter__(self) -> Etcd:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        await self.client.connect()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    @property
+    def kv(self) -> KVService:
+        assert self.client.kv is not None, "not connected"
+        return self.client.kv
+
+    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
+        try:
+            return await coro
+        except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            raise EtcdUnavailable(f"etcd {what} failed at {','.join(self.endpoints)}: {exc}") from exc
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        resp = await self._call("get", self.kv.get(key, timeout=self.timeout))
+        if not resp.kvs:
+            return None
+        return resp.kvs[0].value, resp.kvs[0].mod_revision
+
+    async def get_prefix(self, prefix: str) -> tuple[list[Any], int]:
+        """All key-values under ``prefix`` and the revision they were read at."""
+        resp = await self._call(
+            "range", self.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
+        )
+        return list(resp.kvs), resp.header.revision
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        resp = await self._call("put", self.kv.put(key, value, lease=lease, timeout=self.timeout))
+        return int(resp.header.revision)
+
+    async def delete_prefix(self, prefix: str) -> None:
+        await self._call(
+            "delete", self.kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
+        )
+
+    async def txn(self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()) -> TxnResult:
+        resp = await self._call(
+            "txn", self.kv.txn(compare, success, list(failure), timeout=self.timeout)
+        )
+        return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
+
+    # Builders, re-exported so callers need not know the client library.
+    @staticmethod
+    def absent(key: str) -> Any:
+        return KVService.txn_compare_create_revision(key, 0)
+
+    @staticmethod
+    def mod_revision_is(key: str, revision: int) -> Any:
+        from etcd3aio._protobuf import Compare
+
+        return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision)
+
+    @staticmethod
+    def value_is(key: str, value: bytes) -> Any:
+        return KVService.txn_compare_value(key, value)
+
+    @staticmethod
+    def op_put(key: str, value: bytes, lease: int = 0) -> Any:
+        return KVService.txn_op_put(key, value, lease=lease)
+
+    @staticmethod
+    def op_delete(key: str) -> Any:
+        return KVService.txn_op_delete(key)
+
+    # ------------------------------------------------------------------ leases
+    async def grant(self, ttl: int) -> int:
+        assert self.client.lease is not None
+        resp = await self._call("lease grant", self.client.lease.grant(ttl, timeout=self.timeout))
+        return int(resp.ID)
+
+    async def revoke(self, lease: int) -> None:
+        assert self.client.lease is not None
+        with contextlib.suppress(EtcdUnavailable):
+            await self._call("lease revoke", self.client.lease.revoke(lease, timeout=self.timeout))
+
+    async def keepalive_once(self, lease: int) -> int:
+        """Renew ``lease`` once; returns the TTL etcd granted (<= 0: the lease is gone)."""
+        assert self.client.lease is not None
+        stream = self.client.lease.keep_alive(lease)
+        try:
+            async with asyncio.timeout(self.timeout):
+                async for response in stream:
+                    return int(response.TTL)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            raise EtcdUnavailable(f"lease keepalive failed: {exc}") from exc
+        finally:
+            stream.cancel()
+        raise EtcdUnavailable("lease keepalive stream closed without an answer")
+
+    async def keep_lease(
+        self, lease: int, ttl: int, on_lost: Callable[[], None], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Renew ``lease`` every ttl/3 s until cancelled; call ``on_lost`` once when it is gone.
+
+        The lease counts as gone when etcd says so, or when no renewal has
+        succeeded for a whole TTL (etcd will have expired it by then).
+        """
+        last_ok = clock()
+        while True:
+            await asyncio.sleep(keepalive_interval(ttl))
+            try:
+                granted = await self.keepalive_once(lease)
+            except EtcdUnavailable as exc:
+                log.warning("lease %x: %s", lease, exc)
+                if clock() - last_ok >= ttl:
+                    on_lost()
+                    return
+                continue
+            if granted <= 0:
+                on_lost()
+                return
+            last_ok = clock()
+
+    # ------------------------------------------------------------------ watching
+    async def mirror(
+        self,
+        prefix: str,
+        apply: Callable[[str, bytes | None, int, int], None],
+        on_batch: Callable[[int], None],
+        *,
+        reset: Callable[[], None] | None = None,
+        ready: asyncio.Event | None = None,
+    ) -> None:
+        """Feed every key under ``prefix`` to ``apply``, then every change, forever.
+
+        ``on_batch(revision)`` runs after each consistent batch (the initial load,
+        then each watch response). A compacted watch calls ``reset`` and reloads
+        the prefix; a broken one resumes at the next revision; a transient etcd
+        outage is retried with backoff.
+        """
+        assert self.client.watch is not None
+        backoff = 0.2
+        revision = 0
+        while True:
+            try:
+                if revision == 0:
+                    kvs, revision = await self.get_prefix(prefix)
+                    if reset is not None:
+                        reset()
+                    for kv in kvs:
+                        apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+                    on_batch(revision)
+                    if ready is not None:
+                        ready.set()
+                stream = self.client.watch.watch(
+                    prefix, range_end=prefix_range_end(prefix), start_revision=revision + 1
+                )
+                async for resp in stream:
+                    if resp.compact_revision or resp.canceled:
+                        log.warning("watch on %s compacted or cancelled; reloading", prefix)
+                        revision = 0
+                        break
+                    for ev in resp.events:
+                        kv = ev.kv
+                        value = None if ev.type == 1 else kv.value
+                        apply(kv.key.decode(), value, kv.create_revision, kv.mod_revision)
+                    revision = max(revision, resp.header.revision)
+                    on_batch(revision)
+                    backoff = 0.2
+                else:
+                    log.warning("watch on %s ended; resuming at %d", prefix, revision + 1)
+            except (EtcdUnavailable, EtcdError, grpc.aio.AioRpcError) as exc:
+                log.warning("mirror of %s: %s; retrying in %.1fs", prefix, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+
+def keepalive_interval(ttl: int) -> float:
+    """Seconds between lease renewals: a third of the TTL, so two renewals may fail
+    before the lease expires, but never less than 0.5 s."""
+    return max(0.5, ttl / 3)
+
+
+__all__ = ["DEFAULT_ETCD", "MAX_TXN_OPS", "Etcd", "LeaseLost", "keepalive_interval", "parse_endpoints"]

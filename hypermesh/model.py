@@ -1,0 +1,408 @@
+"""The data model and a local mirror of one mesh's etcd keyspace.
+
+``MeshView`` is fed key/value events (from a range read, then a watch) and
+answers questions about nodes, workflows and tasks. It does no I/O and reads no
+clock: the agent, the leader and the CLI all derive states through the same
+functions here, so ``hypermesh status`` and the scheduler never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.recipe import Experiment, Recipe
+from hypermesh.sampling import planned_count
+
+log = logging.getLogger(__name__)
+
+State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+# Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
+REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout")
+COUNTED_REASONS = frozenset({"exit", "timeout"})
+
+
+def dumps(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A registered node, as it registered itself (its key lives on its lease)."""
+
+    name: str
+    address: str
+    pool: str = "default"
+    spot: bool = False
+    slots: int = 1
+    gpus: int = 0
+    gpu_type: str = ""
+    cpus: float = 1.0
+    memory: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    state: str = "alive"
+    started_at: float = 0.0
+    lease: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeRecord:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class WorkflowRecord:
+    """A submitted workflow: the parsed recipe plus what submit fixed (id, seed, workdir)."""
+
+    id: str
+    name: str
+    recipe: Recipe
+    seed: int
+    submitted_at: float
+    workdir: str
+    source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "recipe": self.recipe.to_json(),
+            "seed": self.seed,
+            "submitted_at": self.submitted_at,
+            "workdir": self.workdir,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkflowRecord:
+        return cls(
+            id=data["id"],
+            name=data["name"],
+            recipe=Recipe.from_json(data["recipe"]),
+            seed=int(data["seed"]),
+            submitted_at=float(data["submitted_at"]),
+            workdir=data.get("workdir", ""),
+            source=data.get("source", ""),
+        )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A node's claim on a task for one attempt; ``revision`` fences later writes."""
+
+    node: str
+    attempt: int
+    slot: int | None
+    lease: int
+    started_at: float
+    revision: int = 0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at running a task. ``state`` is running until the attempt ends."""
+
+    attempt: int
+    node: str
+    state: str
+    exit_code: int | None = None
+    reason: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "node": self.node,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+        }
+
+
+@dataclass(frozen=True)
+class Result:
+    """A task's one final outcome."""
+
+    state: str
+    attempt: int
+    exit_code: int | None
+    ended_at: float
+
+
+@dataclass
+class ExperimentSummary:
+    state: str
+    total: int
+    pending: int = 0
+    running: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "total": self.total,
+            "pending": self.pending,
+            "running": self.running,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "cancelled": self.cancelled,
+        }
+
+
+class MeshView:
+    """An in-memory mirror of a namespace, kept current by ``apply``.
+
+    Only the owner of the view (one agent task, or the CLI) calls ``apply``;
+    everything else reads. ``revision`` is the etcd revision the view reflects.
+    """
+
+    def __init__(self, keyspace: Keyspace) -> None:
+        self.ks = keyspace
+        self.revision = 0
+        self.nodes: dict[str, NodeRecord] = {}
+        self.candidates: dict[str, tuple[int, str]] = {}  # key -> (create_revision, node)
+        self.workflows: dict[str, WorkflowRecord] = {}
+        self.workflow_states: dict[str, str] = {}
+        self.expanded: dict[tuple[str, str], int] = {}
+        self.tasks: dict[TaskRef, dict[str, Any]] = {}
+        self.claims: dict[TaskRef, Claim] = {}
+        self.attempts: dict[TaskRef, dict[int, Attempt]] = defaultdict(dict)
+        self.results: dict[TaskRef, Result] = {}
+        self.slots: dict[tuple[str, str], set[int]] = defaultdict(set)
+        # Tasks with neither a claim nor a result, per (workflow, experiment).
+        self.open: dict[tuple[str, str], set[int]] = defaultdict(set)
+
+    # ------------------------------------------------------------------ feeding
+    def reset(self) -> None:
+        """Forget everything (before a full reload after a compacted watch)."""
+        self.__init__(self.ks)  # type: ignore[misc]
+
+    def apply(
+        self, key: str, value: bytes | None, create_revision: int = 0, mod_revision: int = 0
+    ) -> None:
+        """Apply one put (``value`` set) or delete (``value`` None) of ``key``."""
+        self.revision = max(self.revision, mod_revision)
+        split = self.ks.split(key)
+        if split is None:
+            return
+        kind, parts = split
+        handler = getattr(self, f"_apply_{kind}", None)
+        if handler is None:
+            return
+        try:
+            data: dict[str, Any] | None = json.loads(value) if value else None
+            handler(parts, data, create_revision, mod_revision)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            # A malformed key must not stop the mirror; it is skipped and reported.
+            log.warning("ignoring malformed key %s: %s", key, exc)
+
+    def _apply_node(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.nodes.pop(parts[0], None)
+        else:
+            self.nodes[parts[0]] = NodeRecord.from_json(data)
+
+    def _apply_elect(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.candidates.pop(parts[0], None)
+        else:
+            self.candidates[parts[0]] = (crev, data["node"])
+
+    def _apply_wf(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.workflows.pop(parts[0], None)
+        else:
+            self.workflows[parts[0]] = WorkflowRecord.from_json(data)
+
+    def _apply_wfstate(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.workflow_states.pop(parts[0], None)
+        else:
+            self.workflow_states[parts[0]] = data["state"]
+
+    def _apply_expanded(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.expanded.pop((parts[0], parts[1]), None)
+        else:
+            self.expanded[(parts[0], parts[1])] = int(data["count"])
+
+    def _ref(self, parts: list[str]) -> TaskRef:
+        return TaskRef(parts[0], parts[1], int(parts[2]))
+
+    def _refresh_open(self, ref: TaskRef) -> None:
+        bucket = self.open[(ref.workflow, ref.experiment)]
+        if ref in self.tasks and ref not in self.claims and ref not in self.results:
+            bucket.add(ref.index)
+        else:
+            bucket.discard(ref.index)
+
+    def _apply_task(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        if data is None:
+            self.tasks.pop(ref, None)
+        else:
+            self.tasks[ref] = data
+        self._refresh_open(ref)
+
+    def _apply_claim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        if data is None:
+            self.claims.pop(ref, None)
+        else:
+            self.claims[ref] = Claim(
+                node=data["node"],
+                attempt=int(data["attempt"]),
+                slot=data.get("slot"),
+                lease=int(data.get("lease", 0)),
+                started_at=float(data.get("started_at", 0.0)),
+                revision=mrev,
+            )
+        self._refresh_open(ref)
+
+    def _apply_attempt(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref, n = self._ref(parts), int(parts[3])
+        if data is None:
+            self.attempts[ref].pop(n, None)
+        else:
+            fields = {k: data.get(k) for k in Attempt.__dataclass_fields__ if k != "revision"}
+            self.attempts[ref][n] = Attempt(**fields, revision=mrev)
+
+    def _apply_result(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        if data is None:
+            self.results.pop(ref, None)
+        else:
+            self.results[ref] = Result(
+                state=data["state"],
+                attempt=int(data["attempt"]),
+                exit_code=data.get("exit_code"),
+                ended_at=float(data.get("ended_at", 0.0)),
+            )
+        self._refresh_open(ref)
+
+    def _apply_slot(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bucket = self.slots[(parts[0], parts[1])]
+        if data is None:
+            bucket.discard(int(parts[2]))
+        else:
+            bucket.add(int(parts[2]))
+
+    # ------------------------------------------------------------------ reading
+    def leader(self) -> str | None:
+        """The leading node: the live candidate with the lowest create revision."""
+        live = [c for c in self.candidates.values() if c[1] in self.nodes]
+        return min(live)[1] if live else None
+
+    def running_on(self, node: str) -> list[TaskRef]:
+        return sorted(ref for ref, c in self.claims.items() if c.node == node)
+
+    def workflow_state(self, wid: str) -> str:
+        return self.workflow_states.get(wid, "pending")
+
+    def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
+        return sorted(
+            r for r in self.tasks
+            if r.workflow == wid and (experiment is None or r.experiment == experiment)
+        )
+
+    def task_state(self, ref: TaskRef) -> str:
+        result = self.results.get(ref)
+        if result is not None:
+            return result.state
+        if ref in self.claims:
+            return "running"
+        if self.workflow_state(ref.workflow) == "cancelled":
+            return "cancelled"
+        return "pending"
+
+    def counted_failures(self, ref: TaskRef) -> int:
+        """Ended attempts that count against ``retries`` (failed exits and timeouts)."""
+        return sum(
+            1 for a in self.attempts.get(ref, {}).values()
+            if a.state == "failed" and a.reason in COUNTED_REASONS
+        )
+
+    def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
+        wstate = self.workflow_state(wf.id)
+        count = self.expanded.get((wf.id, exp.name))
+        if count is None:
+            total = planned_count(exp)
+            blocked = any(
+                self.experiment_summary(wf, wf.recipe.experiment(dep)).state
+                in ("failed", "cancelled")
+                for dep in exp.after
+            )
+            if wstate == "cancelled" or blocked:
+                return ExperimentSummary("cancelled", total, cancelled=total)
+            return ExperimentSummary("pending", total, pending=total)
+        summary = ExperimentSummary("pending", count)
+        for index in range(count):
+            state = self.task_state(TaskRef(wf.id, exp.name, index))
+            setattr(summary, state, getattr(summary, state) + 1)
+        done = summary.succeeded + summary.failed + summary.cancelled
+        if done == count:
+            summary.state = (
+                "failed" if summary.failed else "cancelled" if summary.cancelled else "succeeded"
+            )
+        elif summary.running or done:
+            summary.state = "running"
+        return summary
+
+    def workflow_summary(self, wid: str) -> dict[str, Any]:
+        """The ``hypermesh status --json`` object of one workflow."""
+        wf = self.workflows[wid]
+        experiments = {
+            exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments
+        }
+        stored = self.workflow_state(wid)
+        state = stored
+        if stored not in TERMINAL:
+            active = any(s.state == "running" for s in experiments.values())
+            state = "running" if active or stored == "running" else "pending"
+        return {
+            "id": wid,
+            "name": wf.name,
+            "state": state,
+            "submitted_at": wf.submitted_at,
+            "experiments": {name: s.to_json() for name, s in experiments.items()},
+        }
+
+    def derived_final_state(self, wid: str) -> str | None:
+        """The terminal state the workflow has reached, or None while work remains."""
+        wf = self.workflows[wid]
+        states = [self.experiment_summary(wf, e).state for e in wf.recipe.experiments]
+        if any(s not in TERMINAL for s in states):
+            return None
+        if "failed" in states:
+            return "failed"
+        if "cancelled" in states:
+            return "cancelled"
+        return "succeeded"
+
+    def task_json(self, ref: TaskRef) -> dict[str, Any]:
+        """One entry of ``hypermesh tasks --json``."""
+        attempts = [a.to_json() for _, a in sorted(self.attempts.get(ref, {}).items())]
+        claim = self.claims.get(ref)
+        node = claim.node if claim else (attempts[-1]["node"] if attempts else None)
+        return {
+            "id": ref.id,
+            "experiment": ref.experiment,
+            "index": ref.index,
+            "params": self.tasks.get(ref, {}).get("params", {}),
+            "state": self.task_state(ref),
+            "node": node,
+            "attempts": attempts,
+        }

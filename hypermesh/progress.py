@@ -1,0 +1,61 @@
+"""Progress of a workflow on stderr: live bars on a terminal, plain lines otherwise.
+
+Rich draws the bars (it handles terminal width, redraws and colour); when stderr
+is not a terminal (CI logs, pipes) a line is printed whenever the counts change.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+
+class ProgressDisplay:
+    def __init__(self, wid: str) -> None:
+        self.wid = wid
+        self.console = Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.progress: Progress | None = None
+        self.bars: dict[str, TaskID] = {}
+        self.last_line = ""
+        self.started = time.monotonic()
+
+    def update(self, summary: dict[str, Any]) -> None:
+        exps = summary["experiments"]
+        if not self.live:
+            line = " | ".join(
+                f"{name} {e['succeeded'] + e['failed'] + e['cancelled']}/{e['total']} {e['state']}"
+                + (f" ({e['running']} running)" if e["running"] else "")
+                + (f" ({e['failed']} failed)" if e["failed"] else "")
+                for name, e in exps.items()
+            )
+            if line != self.last_line:
+                self.last_line = line
+                elapsed = time.monotonic() - self.started
+                print(f"[{elapsed:6.1f}s] {self.wid} {summary['state']}: {line}", file=sys.stderr,
+                      flush=True)
+            return
+        if self.progress is None:
+            self.progress = Progress(
+                TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=self.console,
+            )
+            self.progress.start()
+        for name, e in exps.items():
+            done = e["succeeded"] + e["failed"] + e["cancelled"]
+            detail = f"{e['state']}, {e['running']} running" + (
+                f", {e['failed']} failed" if e["failed"] else "")
+            if name not in self.bars:
+                self.bars[name] = self.progress.add_task(name, total=e["total"], detail=detail)
+            self.progress.update(self.bars[name], completed=done, total=e["total"], detail=detail)
+
+    def close(self, summary: dict[str, Any] | None) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+        if summary is not None:
+            print(f"{self.wid}: {summary['state']}", file=sys.stderr, flush=True)

@@ -1,0 +1,844 @@
+"""Recipes: the YAML a user submits, parsed and validated into frozen dataclasses.
+
+``parse_recipe`` either returns a fully validated ``Recipe`` or raises one ``RecipeError``
+that lists every problem in the file, each with its 1-based line and dotted field path
+(``experiments.mnist.parameters.lr.range``); nothing partial is ever returned. ``--set``
+overrides are applied to the composed YAML before validation, so an overridden value is
+checked like any other. The format itself is described in ``_fields`` and the checks in
+``_Checker``; ``Recipe.to_json``/``from_json`` store a recipe losslessly (in etcd, say).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hypermesh.errors import NotFound, Problem, RecipeError
+from hypermesh.templating import (
+    BUILTINS,
+    PARAM_ENV_PREFIX,
+    format_value,
+    malformed_placeholders,
+    quoted_placeholders,
+    template_names,
+)
+from hypermesh.units import UnitError, parse_duration, parse_size
+
+__all__ = [
+    "Experiment",
+    "FrozenMap",
+    "Hardware",
+    "Parameter",
+    "Recipe",
+    "load_recipe",
+    "parse_recipe",
+]
+
+JSON_VERSION = 1
+SAMPLINGS = ("uniform", "loguniform", "int")
+
+
+class FrozenMap(Mapping[str, str]):
+    """An immutable, hashable str -> str mapping that keeps insertion order.
+
+    Equality ignores order (like ``dict``), and so does the hash.
+    """
+
+    __slots__ = ("_data",)
+
+    def __init__(self, items: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> None:
+        self._data: dict[str, str] = dict(items)
+
+    def __getitem__(self, key: str) -> str:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items())))
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One searched parameter: a continuous ``range`` [low, high] drawn by ``sampling``, or a
+    discrete list of ``values`` (scalars: str, int, float or bool, kept with their types).
+
+    ``parse_recipe`` guarantees low < high (low <= high with integral bounds for ``int``,
+    low > 0 for ``loguniform``) and a non-empty ``values`` without duplicates.
+    """
+
+    name: str
+    kind: Literal["range", "values"]
+    low: float | None = None
+    high: float | None = None
+    sampling: Literal["uniform", "loguniform", "int"] = "uniform"
+    values: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", tuple(self.values))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one task of an experiment needs on the node that runs it.
+
+    ``gpu`` is a GPU type (``k80``); ``gpus`` a count that may be fractional (sharing a GPU).
+    When a recipe names a ``gpu`` type without ``gpus``, ``gpus`` is 1. ``memory`` is in
+    bytes, 0 meaning not stated.
+    """
+
+    gpu: str | None = None
+    gpus: float = 0.0
+    cpus: float = 1.0
+    memory: int = 0
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One experiment of a recipe, validated.
+
+    ``command`` is run in order, in one task, after ``{{name}}`` substitution; every name it
+    uses is a parameter or a built-in. ``after`` names experiments of the same recipe, without
+    cycles. ``env`` is the full environment the recipe asks for: the recipe's top-level ``env``
+    overlaid with the experiment's own. ``samples`` is set whenever a range parameter exists.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    parameters: tuple[Parameter, ...] = ()
+    samples: int | None = None
+    workers: int | None = None
+    hardware: Hardware = Hardware()
+    after: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=FrozenMap)
+    retries: int = 0
+    timeout: float | None = None
+    framework: str | None = None
+    image: str | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "parameters", tuple(self.parameters))
+        object.__setattr__(self, "after", tuple(self.after))
+        object.__setattr__(self, "env", FrozenMap(self.env))
+
+    def parameter(self, name: str) -> Parameter:
+        """The parameter called ``name``; raises ``NotFound`` if there is none."""
+        for p in self.parameters:
+            if p.name == name:
+                return p
+        raise NotFound(f"experiment {self.name!r} has no parameter {name!r}")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A whole validated recipe; ``experiments`` keeps file order and unique names.
+
+    Immutable: ``with_seed`` and ``dataclasses.replace`` make changed copies.
+    """
+
+    experiments: tuple[Experiment, ...]
+    name: str | None = None
+    seed: int | None = None
+    env: Mapping[str, str] = field(default_factory=FrozenMap)
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "experiments", tuple(self.experiments))
+        object.__setattr__(self, "env", FrozenMap(self.env))
+
+    def experiment(self, name: str) -> Experiment:
+        """The experiment called ``name``; raises ``NotFound`` if there is none."""
+        for exp in self.experiments:
+            if exp.name == name:
+                return exp
+        raise NotFound(f"recipe has no experiment {name!r}")
+
+    def topological_order(self) -> list[str]:
+        """Experiment names with every dependency before its dependents, ties in file order."""
+        done: list[str] = []
+        waiting = list(self.experiments)
+        while waiting:
+            ready = next((e for e in waiting if all(d in done for d in e.after)), None)
+            if ready is None:
+                raise ValueError(f"dependency cycle among {[e.name for e in waiting]}")
+            done.append(ready.name)
+            waiting.remove(ready)
+        return done
+
+    def with_seed(self, seed: int) -> Recipe:
+        """A copy of this recipe with the top-level ``seed`` set to ``seed``."""
+        return replace(self, seed=seed)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict that ``from_json`` turns back into an equal recipe."""
+        return {"version": JSON_VERSION, **_jsonable(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Recipe:
+        """The recipe ``to_json`` wrote; raises ``RecipeError`` if ``data`` is not one."""
+        try:
+            body = dict(data)
+            if body.pop("version", None) != JSON_VERSION:
+                raise ValueError(f"unsupported version {data.get('version')!r}")
+            experiments = []
+            for item in body.pop("experiments"):
+                exp = dict(item)
+                exp["parameters"] = [Parameter(**p) for p in exp.get("parameters", ())]
+                exp["hardware"] = Hardware(**exp.get("hardware", {}))
+                experiments.append(Experiment(**exp))
+            return cls(experiments=tuple(experiments), **body)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            problem = Problem("<json>", None, "", f"not a recipe in JSON form: {exc!r}")
+            raise RecipeError([problem]) from exc
+
+
+def _jsonable(value: Any) -> Any:
+    """Dataclasses as dicts of their fields, tuples as lists, mappings as dicts."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _jsonable(item) for key, item in value.items()}
+    return value
+
+
+# --------------------------------------------------------------------------- located YAML
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_MAX_NODES = 1_000_000
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A YAML node reduced to plain data and where it came from.
+
+    ``value`` is a ``dict[str, _Entry]``, a ``list[_Node]`` or a scalar; ``origin`` is the
+    ``--set`` override a node came from (its ``line`` is then None).
+    """
+
+    value: Any
+    line: int | None
+    origin: str | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A mapping entry: the line of its key and its value."""
+
+    key_line: int | None
+    node: _Node
+
+
+class _TooLarge(Exception):
+    """Aliases expand the document beyond ``_MAX_NODES`` nodes."""
+
+
+Report = Callable[[int | None, str, str], None]
+
+
+class _Reader:
+    """Turns a composed YAML node graph into ``_Node``s, reporting duplicate keys, bad keys,
+    recursive aliases and unknown tags through ``report``; it never raises for those."""
+
+    def __init__(self, report: Report, origin: str | None = None) -> None:
+        self._constructor = yaml.SafeLoader("")
+        self._report = report
+        self._origin = origin
+        self._active: set[int] = set()
+        self._count = 0
+
+    def _line(self, node: yaml.Node) -> int | None:
+        return None if self._origin else node.start_mark.line + 1
+
+    def read(self, node: yaml.Node, path: str) -> _Node:
+        line = self._line(node)
+        self._count += 1
+        if self._count > _MAX_NODES:
+            raise _TooLarge
+        if id(node) in self._active:
+            self._report(line, path, "an alias refers to the node that contains it")
+            return _Node(None, line, self._origin)
+        if isinstance(node, yaml.ScalarNode):
+            return _Node(self._scalar(node, path, line), line, self._origin)
+        self._active.add(id(node))
+        try:
+            if isinstance(node, yaml.SequenceNode):
+                items = [self.read(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+                return _Node(items, line, self._origin)
+            assert isinstance(node, yaml.MappingNode)
+            return _Node(self._mapping(node, path), line, self._origin)
+        finally:
+            self._active.discard(id(node))
+
+    def _scalar(self, node: yaml.ScalarNode, path: str, line: int | None) -> Any:
+        try:
+            value = self._constructor.construct_object(node)
+        except yaml.YAMLError as exc:
+            self._report(line, path, f"cannot read value: {getattr(exc, 'problem', exc)}")
+            return None
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        return node.value  # timestamps and the like: keep the text as written
+
+    def _mapping(self, node: yaml.MappingNode, path: str) -> dict[str, _Entry]:
+        merged: dict[str, _Entry] = {}
+        explicit: dict[str, _Entry] = {}
+        for key_node, value_node in node.value:
+            key_line = self._line(key_node)
+            if key_node.tag == _MERGE_TAG:
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [
+                    value_node
+                ]
+                for source in sources:
+                    sub = self.read(source, path)
+                    if not isinstance(sub.value, dict):
+                        self._report(key_line, path, "'<<' can only merge mappings")
+                        continue
+                    for key, entry in sub.value.items():
+                        merged.setdefault(key, entry)
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                self._report(key_line, path, "mapping keys must be plain strings")
+                continue
+            key = key_node.value
+            sub_path = f"{path}.{key}" if path else key
+            if key in explicit:
+                first = explicit[key].key_line
+                self._report(key_line, sub_path, f"duplicate key {key!r} (first at line {first})")
+                continue
+            explicit[key] = _Entry(key_line, self.read(value_node, sub_path))
+        return {**merged, **explicit}
+
+
+# --------------------------------------------------------------------------- the format
+
+_EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+_RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
+
+_TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
+_EXPERIMENT_FIELDS = (
+    "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
+    "timeout", "framework", "image", "seed",
+)
+_PARAMETER_FIELDS = ("range", "sampling", "values")
+_HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory")
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "nothing (null)"
+    return f"{value!r}"
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a finite float if it is a number or a numeric string ("1e-4"), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and re.fullmatch(rf"\s*{_NUMBER}\s*", value):
+        value = float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+class _Checker:
+    """Validates a ``_Node`` tree into a ``Recipe`` while collecting every problem it finds.
+
+    Methods return None for a value they rejected (after recording why) and never raise;
+    ``recipe`` returns a ``Recipe`` only when no problem at all was recorded.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.problems: list[Problem] = []
+        self._after: dict[str, tuple[int | None, list[tuple[str, _Node, str]]]] = {}
+
+    def report(self, line: int | None, path: str, message: str) -> None:
+        self.problems.append(Problem(self.source, line, path, message))
+
+    def at(self, node: _Node, path: str, message: str) -> None:
+        if node.origin:
+            message += f" (set by --set {node.origin})"
+        self.report(node.line, path, message)
+
+    # ------------------------------------------------------------------ shapes
+    def mapping(self, node: _Node, path: str, what: str = "a mapping") -> dict[str, _Entry] | None:
+        if isinstance(node.value, dict):
+            return node.value
+        self.at(node, path, f"expected {what}, got {_describe(node.value)}")
+        return None
+
+    def known_fields(self, entries: dict[str, _Entry], allowed: Sequence[str], path: str) -> None:
+        for key, entry in entries.items():
+            if key not in allowed:
+                where = f"{path}.{key}" if path else key
+                hint = _suggest(key, allowed)
+                self.report(entry.key_line, where, f"unknown field {key!r}{hint}")
+
+    def string(self, node: _Node, path: str) -> str | None:
+        if isinstance(node.value, str) and node.value.strip():
+            return node.value
+        self.at(node, path, f"expected a non-empty string, got {_describe(node.value)}")
+        return None
+
+    def integer(self, node: _Node, path: str, minimum: int | None = None) -> int | None:
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.at(node, path, f"expected an integer, got {_describe(value)}")
+            return None
+        if minimum is not None and value < minimum:
+            self.at(node, path, f"must be at least {minimum}, got {value}")
+            return None
+        return value
+
+    def number(self, node: _Node, path: str, minimum: float, inclusive: bool) -> float | None:
+        value = _as_float(node.value)
+        if value is None:
+            self.at(node, path, f"expected a number, got {_describe(node.value)}")
+            return None
+        if value < minimum or (value == minimum and not inclusive):
+            bound = f"at least {minimum:g}" if inclusive else f"greater than {minimum:g}"
+            self.at(node, path, f"must be {bound}, got {node.value!r}")
+            return None
+        return value
+
+    def env(self, entry: _Entry | None, path: str) -> dict[str, str]:
+        if entry is None or entry.node.value is None:
+            return {}
+        entries = self.mapping(entry.node, path)
+        result: dict[str, str] = {}
+        for name, item in (entries or {}).items():
+            if not _IDENTIFIER.fullmatch(name):
+                self.report(item.key_line, f"{path}.{name}", "not a valid environment name")
+            elif isinstance(item.node.value, (str, int, float, bool)):
+                result[name] = format_value(item.node.value)
+            else:
+                self.at(item.node, f"{path}.{name}", f"expected a scalar, got "
+                        f"{_describe(item.node.value)}")
+        return result
+
+    # ------------------------------------------------------------------ recipe
+    def recipe(self, root: _Node) -> Recipe | None:
+        top = self.mapping(root, "", "a mapping with an 'experiments' field")
+        if top is None:
+            return None
+        self.known_fields(top, _TOP_FIELDS, "")
+        optional = {k: e.node for k, e in top.items() if e.node.value is not None}
+        name = self.string(optional["name"], "name") if "name" in optional else None
+        seed = self.integer(optional["seed"], "seed") if "seed" in optional else None
+        workdir = self.string(optional["workdir"], "workdir") if "workdir" in optional else None
+        env = self.env(top.get("env"), "env")
+        experiments: list[Experiment | None] = []
+        if "experiments" not in optional:
+            self.report(root.line, "experiments", "missing required field 'experiments'")
+        elif (entries := self.mapping(optional["experiments"], "experiments")) is not None:
+            if not entries:
+                self.at(optional["experiments"], "experiments", "needs at least one experiment")
+            for exp_name, entry in entries.items():
+                experiments.append(self.experiment(exp_name, entry, env))
+            self.dependencies(list(entries))
+        if self.problems:
+            return None
+        return Recipe(
+            experiments=tuple(e for e in experiments if e is not None),
+            name=name, seed=seed, env=env, workdir=workdir,
+        )
+
+    def experiment(self, name: str, entry: _Entry, shared_env: dict[str, str]) -> Experiment | None:
+        path = f"experiments.{name}"
+        before = len(self.problems)
+        if not _EXPERIMENT_NAME.fullmatch(name):
+            self.report(entry.key_line, path, "experiment names are 1-63 letters, digits, '_' "
+                        "or '-', starting with a letter or digit")
+        spec = self.mapping(entry.node, path)
+        if spec is None:
+            return None
+        self.known_fields(spec, _EXPERIMENT_FIELDS, path)
+        given = {k: e.node for k, e in spec.items() if e.node.value is not None}
+        parameters, declared = self.parameters(given.get("parameters"), f"{path}.parameters")
+        command = self.command(spec.get("command"), entry.key_line, path, declared)
+
+        def optional(key: str, check: Any, *args: Any) -> Any:
+            return check(given[key], f"{path}.{key}", *args) if key in given else None
+
+        samples = optional("samples", self.integer, 1)
+        if samples is None and "samples" not in given and any(
+            p.kind == "range" for p in parameters
+        ):
+            self.report(entry.key_line, f"{path}.samples", "range parameters need 'samples' "
+                        "(how many tasks to draw)")
+        workers = optional("workers", self.integer, 1)
+        hardware = optional("hardware", self.hardware) or Hardware()
+        self.after(name, given.get("after"), spec.get("after"), path)
+        env = {**shared_env, **self.env(spec.get("env"), f"{path}.env")}
+        retries = optional("retries", self.integer, 0) or 0
+        timeout = optional("timeout", self.duration)
+        framework = optional("framework", self.string)
+        image = optional("image", self.string)
+        seed = optional("seed", self.integer)
+        if len(self.problems) > before or command is None:
+            return None
+        return Experiment(
+            name=name, command=command, parameters=tuple(parameters), samples=samples,
+            workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
+            env=env, retries=retries, timeout=timeout, framework=framework, image=image,
+            seed=seed,
+        )
+
+    def duration(self, node: _Node, path: str) -> float | None:
+        try:
+            if isinstance(node.value, (str, int, float)):
+                seconds = parse_duration(node.value)
+                if seconds > 0:
+                    return seconds
+                self.at(node, path, f"must be longer than 0 seconds, got {node.value!r}")
+                return None
+            self.at(node, path, f"expected a duration such as '30m', got {_describe(node.value)}")
+        except UnitError as exc:
+            self.at(node, path, str(exc))
+        return None
+
+    # ------------------------------------------------------------------ command
+    def command(
+        self, entry: _Entry | None, exp_line: int | None, path: str, declared: list[str]
+    ) -> tuple[str, ...] | None:
+        path = f"{path}.command"
+        if entry is None or entry.node.value is None:
+            line = exp_line if entry is None else entry.key_line
+            self.report(line, path, "missing required field 'command'")
+            return None
+        node = entry.node
+        if isinstance(node.value, str):
+            items = [(node, path)]
+        elif isinstance(node.value, list) and node.value:
+            items = [(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+        else:
+            self.at(node, path, f"expected a command or a list of commands, got "
+                    f"{_describe(node.value) if node.value != [] else 'an empty list'}")
+            return None
+        known = set(declared) | BUILTINS
+        commands: list[str] = []
+        for item, item_path in items:
+            text = self.string(item, item_path)
+            if text is None:
+                continue
+            commands.append(text)
+            for name in template_names(text):
+                if name not in known:
+                    choices = ", ".join(declared) or "none"
+                    self.at(item, item_path, f"unknown template variable {{{{{name}}}}}"
+                            f"{_suggest(name, known)} (parameters: {choices})")
+            for text_ in malformed_placeholders(text):
+                self.at(item, item_path, f"malformed placeholder {text_}: use {{{{name}}}}")
+            for text_ in quoted_placeholders(text):
+                self.at(item, item_path, f"placeholder {text_} is inside shell quotes or after a "
+                        "backslash; hypermesh quotes values itself, so leave it bare")
+        return tuple(commands) if len(commands) == len(items) else None
+
+    # ------------------------------------------------------------------ parameters
+    def parameters(self, node: _Node | None, path: str) -> tuple[list[Parameter], list[str]]:
+        """The valid parameters, and the names of all declared ones (valid or not)."""
+        if node is None:
+            return [], []
+        entries = self.mapping(node, path) or {}
+        parameters: list[Parameter] = []
+        env_names: dict[str, str] = {}
+        for name, entry in entries.items():
+            where = f"{path}.{name}"
+            if not _IDENTIFIER.fullmatch(name):
+                self.report(entry.key_line, where, "parameter names must be identifiers "
+                            "(letters, digits, '_'; not starting with a digit)")
+            elif name in BUILTINS:
+                self.report(entry.key_line, where, f"{name!r} is a built-in template variable")
+            elif name.upper() in env_names:
+                self.report(entry.key_line, where, f"{name!r} and {env_names[name.upper()]!r} "
+                            f"would both be {PARAM_ENV_PREFIX}{name.upper()}")
+            env_names.setdefault(name.upper(), name)
+            parameter = self.parameter(name, entry, where)
+            if parameter is not None:
+                parameters.append(parameter)
+        return parameters, list(entries)
+
+    def parameter(self, name: str, entry: _Entry, path: str) -> Parameter | None:
+        spec = self.mapping(entry.node, path, "a mapping with 'range' or 'values'")
+        if spec is None:
+            return None
+        self.known_fields(spec, _PARAMETER_FIELDS, path)
+        if "range" in spec and "values" in spec:
+            self.report(spec["values"].key_line, path, "give 'range' or 'values', not both")
+            return None
+        if "values" in spec:
+            if "sampling" in spec:
+                self.report(spec["sampling"].key_line, f"{path}.sampling",
+                            "'sampling' applies only to 'range' parameters")
+            values = self.values(spec["values"].node, f"{path}.values")
+            return None if values is None else Parameter(name, "values", values=values)
+        if "range" not in spec:
+            self.report(entry.key_line, path, "needs 'range' (with 'sampling') or 'values'")
+            return None
+        sampling: Literal["uniform", "loguniform", "int"] = "uniform"
+        if "sampling" in spec:
+            node = spec["sampling"].node
+            if node.value not in SAMPLINGS:
+                hint = _suggest(str(node.value), SAMPLINGS)
+                self.at(node, f"{path}.sampling", f"must be one of {', '.join(SAMPLINGS)}, "
+                        f"got {node.value!r}{hint}")
+                return None
+            sampling = node.value
+        bounds = self.bounds(spec["range"].node, f"{path}.range", sampling)
+        if bounds is None:
+            return None
+        return Parameter(name, "range", low=bounds[0], high=bounds[1], sampling=sampling)
+
+    def bounds(self, node: _Node, path: str, sampling: str) -> tuple[float, float] | None:
+        value = node.value
+        parts: list[Any] | None = None
+        if isinstance(value, str) and (match := _RANGE.fullmatch(value)):
+            parts = [match.group(1), match.group(2)]
+        elif isinstance(value, list) and len(value) == 2:
+            parts = [item.value for item in value]
+        numbers = [_as_float(p) for p in parts] if parts is not None else [None]
+        if None in numbers:
+            shown = [i.value for i in value] if isinstance(value, list) else _describe(value)
+            self.at(node, path, f"expected 'min-max' (e.g. '0.1-0.3') or [min, max], got {shown}")
+            return None
+        low, high = numbers
+        assert low is not None and high is not None
+        if sampling == "int" and not (low.is_integer() and high.is_integer()):
+            self.at(node, path, f"'int' sampling needs whole-number bounds, got {low:g}-{high:g}")
+        elif sampling == "int" and low > high:
+            self.at(node, path, f"min {low:g} must not be greater than max {high:g}")
+        elif sampling != "int" and low >= high:
+            self.at(node, path, f"min {low:g} must be less than max {high:g}")
+        elif sampling == "loguniform" and low <= 0:
+            self.at(node, path, f"'loguniform' needs min > 0, got {low:g}")
+        else:
+            return low, high
+        return None
+
+    def values(self, node: _Node, path: str) -> tuple[Any, ...] | None:
+        if not isinstance(node.value, list) or not node.value:
+            self.at(node, path, f"expected a non-empty list of values, got {_describe(node.value)}")
+            return None
+        values: list[Any] = []
+        seen: set[tuple[type, Any]] = set()
+        for i, item in enumerate(node.value):
+            value = item.value
+            if not isinstance(value, (str, int, float, bool)) or (
+                isinstance(value, float) and not math.isfinite(value)
+            ):
+                self.at(item, f"{path}[{i}]", f"values must be strings, numbers or booleans, "
+                        f"got {_describe(value)}")
+            elif (type(value), value) in seen:
+                self.at(item, f"{path}[{i}]", f"duplicate value {value!r}")
+            else:
+                seen.add((type(value), value))
+                values.append(value)
+        return tuple(values) if len(values) == len(node.value) else None
+
+    # ------------------------------------------------------------------ hardware
+    def hardware(self, node: _Node, path: str) -> Hardware | None:
+        spec = self.mapping(node, path)
+        if spec is None:
+            return None
+        self.known_fields(spec, _HARDWARE_FIELDS, path)
+        given = {k: e.node for k, e in spec.items() if e.node.value is not None}
+        gpu = None
+        if "gpu" in given:
+            gpu_node = given["gpu"]
+            if isinstance(gpu_node.value, (int, float)) and not isinstance(gpu_node.value, bool):
+                self.at(gpu_node, f"{path}.gpu", "'gpu' is the GPU type (e.g. k80); "
+                        "use 'gpus' for how many")
+            else:
+                gpu = self.string(gpu_node, f"{path}.gpu")
+        gpus = self.number(given["gpus"], f"{path}.gpus", 0, True) if "gpus" in given else None
+        if gpu is not None and gpus == 0:
+            self.at(given["gpus"], f"{path}.gpus", f"asks for a {gpu!r} GPU but 0 gpus")
+        cpus = self.number(given["cpus"], f"{path}.cpus", 0, False) if "cpus" in given else 1.0
+        memory = 0
+        if "memory" in given:
+            memory_node = given["memory"]
+            try:
+                memory = parse_size(memory_node.value)
+                if memory == 0:
+                    self.at(memory_node, f"{path}.memory", "must be more than 0 bytes")
+            except UnitError as exc:
+                self.at(memory_node, f"{path}.memory", str(exc))
+        if gpus is None:
+            gpus = 1.0 if gpu is not None else 0.0
+        return Hardware(gpu=gpu, gpus=gpus, cpus=cpus or 1.0, memory=memory)
+
+    # ------------------------------------------------------------------ dependencies
+    def after(self, name: str, node: _Node | None, entry: _Entry | None, path: str) -> None:
+        refs: list[tuple[str, _Node, str]] = []
+        line = entry.key_line if entry is not None else None
+        if node is not None:
+            items = node.value if isinstance(node.value, list) else [node]
+            for i, item in enumerate(items):
+                where = f"{path}.after[{i}]" if isinstance(node.value, list) else f"{path}.after"
+                dep = self.string(item, where)
+                if dep is not None and dep in (ref[0] for ref in refs):
+                    self.at(item, where, f"{dep!r} is listed twice")
+                elif dep is not None:
+                    refs.append((dep, item, where))
+        self._after[name] = (line, refs)
+
+    def dependencies(self, names: list[str]) -> None:
+        """Unknown names, self-dependencies and cycles in ``after``, each reported once."""
+        graph: dict[str, list[str]] = {}
+        for name, (_, refs) in self._after.items():
+            graph[name] = []
+            for dep, node, where in refs:
+                if dep == name:
+                    self.at(node, where, f"experiment {name!r} cannot run after itself")
+                elif dep not in names:
+                    self.at(node, where, f"unknown experiment {dep!r}{_suggest(dep, names)}")
+                else:
+                    graph[name].append(dep)
+        order = {name: i for i, name in enumerate(names)}
+        reported: set[tuple[str, ...]] = set()
+        for cycle in _cycles(graph):
+            start = min(range(len(cycle)), key=lambda i: order[cycle[i]])
+            cycle = cycle[start:] + cycle[:start]
+            if tuple(cycle) not in reported:
+                reported.add(tuple(cycle))
+                line = self._after[cycle[0]][0]
+                text = " -> ".join([*cycle, cycle[0]])
+                self.report(line, f"experiments.{cycle[0]}.after", f"dependency cycle: {text}")
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One cycle for every back edge a depth-first search of ``graph`` meets."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = finished
+    stack: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for dep in graph.get(name, []):
+            if state.get(dep) == 1:
+                found.append(stack[stack.index(dep):])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[name] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name)
+    return found
+
+
+# --------------------------------------------------------------------------- entry points
+
+def _apply_override(root: _Node, text: str, checker: _Checker) -> None:
+    """Apply one ``EXP.FIELD[.SUB...]=VALUE`` to ``root``, or report why it cannot be."""
+    key, equals, raw = text.partition("=")
+    key = key.strip()
+    where = f"--set {key}"
+    parts = key.split(".")
+    if not equals or len(parts) < 2 or not all(parts):
+        checker.report(None, where, f"expected EXP.FIELD=VALUE, got {text!r}")
+        return
+    try:
+        document = yaml.compose(raw, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        checker.report(None, where, f"cannot parse value {raw!r}: {getattr(exc, 'problem', exc)}")
+        return
+    reader = _Reader(lambda _line, _path, message: checker.report(None, where, message), key)
+    value = reader.read(document, where) if document is not None else _Node(None, None, key)
+    top = root.value if isinstance(root.value, dict) else {}
+    experiments = top.get("experiments")
+    table = experiments.node.value if experiments is not None else None
+    if not isinstance(table, dict) or parts[0] not in table:
+        names = list(table) if isinstance(table, dict) else []
+        checker.report(None, where, f"unknown experiment {parts[0]!r}{_suggest(parts[0], names)}")
+        return
+    node = table[parts[0]].node
+    for depth, part in enumerate(parts[1:-1], start=1):
+        if not isinstance(node.value, dict):
+            break
+        child = node.value.get(part)
+        if child is None or child.node.value is None:
+            child = _Entry(None, _Node({}, None, key))
+            node.value[part] = child
+        node = child.node
+        if not isinstance(node.value, dict):
+            checker.report(None, where, f"{'.'.join(parts[: depth + 1])!r} is not a mapping")
+            return
+    if not isinstance(node.value, dict):
+        checker.report(None, where, f"experiment {parts[0]!r} is not a mapping")
+        return
+    old = node.value.get(parts[-1])
+    node.value[parts[-1]] = _Entry(old.key_line if old else None, value)
+
+
+def parse_recipe(text: str, source: str = "<recipe>", overrides: Sequence[str] = ()) -> Recipe:
+    """The validated recipe in ``text``, with ``overrides`` applied; raises ``RecipeError``
+    listing every problem otherwise. ``source`` names the text in problems (a path)."""
+    checker = _Checker(source)
+    try:
+        document = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = (
+            _Reader(checker.report).read(document, "")
+            if document is not None
+            else _Node(None, 1)
+        )
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        message = " ".join(m for m in (exc.context, exc.problem) if m)
+        line = mark.line + 1 if mark is not None else None
+        raise RecipeError([Problem(source, line, "", f"YAML syntax error: {message}")]) from None
+    except yaml.YAMLError as exc:
+        raise RecipeError([Problem(source, None, "", f"cannot read YAML: {exc}")]) from None
+    except _TooLarge:
+        message = f"aliases expand the recipe beyond {_MAX_NODES} nodes"
+        raise RecipeError([Problem(source, None, "", message)]) from None
+    if root.value is None:
+        checker.report(1, "", "the recipe is empty; it needs an 'experiments' mapping")
+    for override in overrides:
+        _apply_override(root, override, checker)
+    recipe = checker.recipe(root) if root.value is not None else None
+    if recipe is None or checker.problems:
+        raise RecipeError(checker.problems or [Problem(source, None, "", "invalid recipe")])
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """``parse_recipe`` on the file at ``path`` (named as given in problems)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RecipeError([Problem(source, None, "", f"cannot read recipe: {reason}")]) from None
+    return parse_recipe(text, source, overrides)

@@ -1,0 +1,152 @@
+"""``{{name}}`` substitution into shell command lines, with every value shell-quoted.
+
+A placeholder is ``{{`` + optional spaces + an identifier + optional spaces + ``}}``. ``render``
+replaces each with ``shlex.quote(format_value(value))``, so a parameter value always reaches
+the program as exactly one argument and is never read as shell syntax (the invariant "a
+parameter value is data"). That only holds where the placeholder stands outside shell quotes:
+``'{{x}}'`` or ``"{{x}}"`` would put hypermesh's quotes inside the user's, so recipe
+validation rejects quoted placeholders (``quoted_placeholders``) and malformed ones
+(``malformed_placeholders``) before anything runs.
+
+Parameters also reach tasks as environment variables: ``param_env`` names them
+``HM_PARAM_<NAME>`` with the name upper-cased, holding the same text ``render`` would quote.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+from hypermesh.errors import FatalError
+
+__all__ = [
+    "BUILTINS",
+    "PARAM_ENV_PREFIX",
+    "TemplateError",
+    "format_value",
+    "malformed_placeholders",
+    "param_env",
+    "quoted_placeholders",
+    "render",
+    "template_names",
+]
+
+# Names every command may use besides the experiment's parameters; the agent supplies them.
+BUILTINS: frozenset[str] = frozenset(
+    {"workflow_id", "experiment", "task_id", "task_index", "attempt"}
+)
+PARAM_ENV_PREFIX = "HM_PARAM_"
+
+# Anything between double braces; the content decides whether it is a valid placeholder.
+_BRACES = re.compile(r"\{\{([^{}]*)\}\}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class TemplateError(FatalError, LookupError):
+    """A template named a value that was not given, or held a malformed placeholder."""
+
+
+def _placeholders(template: str) -> list[tuple[re.Match[str], str | None]]:
+    """Every ``{{...}}`` in ``template`` with its name, or None when the content is no name."""
+    found: list[tuple[re.Match[str], str | None]] = []
+    for match in _BRACES.finditer(template):
+        inner = match.group(1).strip()
+        found.append((match, inner if _IDENTIFIER.fullmatch(inner) else None))
+    return found
+
+
+def template_names(template: str) -> list[str]:
+    """The names ``template`` uses, each once, in order of first use."""
+    names: list[str] = []
+    for _, name in _placeholders(template):
+        if name is not None and name not in names:
+            names.append(name)
+    return names
+
+
+def malformed_placeholders(template: str) -> list[str]:
+    """The ``{{...}}`` texts in ``template`` whose content is not an identifier."""
+    return [match.group(0) for match, name in _placeholders(template) if name is None]
+
+
+def quoted_placeholders(template: str) -> list[str]:
+    """The placeholders of ``template`` inside shell quotes or right after a backslash.
+
+    There, the quotes ``render`` adds would not make the value one inert word. The scan follows
+    POSIX sh quoting only as far as quotes and backslashes go (it does not parse ``$(...)`` or
+    here-documents), so inside those a placeholder counts as quoted if the quote characters
+    around it say so.
+    """
+    spans = {match.start(): match for match, _ in _placeholders(template)}
+    quoted: list[str] = []
+    state = ""  # "", "'" or '"'
+    index = 0
+    while index < len(template):
+        char = template[index]
+        if index in spans and state:
+            quoted.append(spans[index].group(0))
+            index = spans[index].end()
+            continue
+        if index in spans:
+            index = spans[index].end()
+            continue
+        if char == "\\" and state != "'":
+            if index + 1 in spans:  # a backslash would escape the opening quote of the value
+                quoted.append(spans[index + 1].group(0))
+                index = spans[index + 1].end()
+            else:
+                index += 2
+            continue
+        if state == "" and char in "'\"":
+            state = char
+        elif char == state:
+            state = ""
+        index += 1
+    return quoted
+
+
+def format_value(value: Any) -> str:
+    """The text form of a parameter value, used both in commands and in the environment.
+
+    ``True``/``False`` become ``"true"``/``"false"``, ints their decimal form, floats the
+    shortest text that reads back as the same float (``repr``), strings themselves, and
+    ``None`` the empty string; anything else is ``str(value)``.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return str(value)
+
+
+def render(template: str, values: Mapping[str, Any]) -> str:
+    """``template`` with every placeholder replaced by its shell-quoted value.
+
+    Raises ``TemplateError`` for a name missing from ``values`` or a malformed placeholder.
+    """
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1).strip()
+        if not _IDENTIFIER.fullmatch(name):
+            raise TemplateError(f"malformed placeholder {match.group(0)!r} in {template!r}")
+        if name not in values:
+            known = ", ".join(sorted(values)) or "none"
+            raise TemplateError(
+                f"unknown template variable {name!r} in {template!r} (known: {known})"
+            )
+        return shlex.quote(format_value(values[name]))
+
+    return _BRACES.sub(substitute, template)
+
+
+def param_env(params: Mapping[str, Any]) -> dict[str, str]:
+    """Environment variables for a task's parameters: ``{"HM_PARAM_LR": "0.25", ...}``."""
+    return {f"{PARAM_ENV_PREFIX}{name.upper()}": format_value(v) for name, v in params.items()}

@@ -1,0 +1,181 @@
+"""The etcd transactions of a mesh: submit, cancel, expand, claim, finish.
+
+Every write that depends on a claim or on a state someone else may change is
+guarded by a compare, so the invariants hold whatever the timing:
+
+- a task is claimed by at most one attempt at a time (claim key absent);
+- a ``workers`` cap is never exceeded (a claim also takes a free slot key);
+- a task has at most one result, written only by the attempt whose claim is
+  still in place (claim mod revision unchanged) — a zombie's late result fails.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hypermesh.errors import NotFound, UsageError
+from hypermesh.etcd import MAX_TXN_OPS, Etcd
+from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.model import TERMINAL, Attempt, WorkflowRecord, dumps
+
+
+def new_workflow_id(name: str) -> str:
+    """A short readable id: the recipe's name, sanitised, plus 6 random hex digits."""
+    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in name).strip("-_")[:40]
+    return f"{stem or 'wf'}-{secrets.token_hex(3)}"
+
+
+def state_value(state: str) -> bytes:
+    return dumps({"state": state})
+
+
+async def submit_workflow(etcd: Etcd, ks: Keyspace, wf: WorkflowRecord) -> None:
+    """Store a workflow and its pending state in one transaction (ids never collide)."""
+    result = await etcd.txn(
+        [etcd.absent(ks.workflow(wf.id))],
+        [
+            etcd.op_put(ks.workflow(wf.id), dumps(wf.to_json())),
+            etcd.op_put(ks.workflow_state(wf.id), state_value("pending")),
+        ],
+    )
+    if not result.succeeded:
+        raise UsageError(f"workflow id {wf.id} already exists")
+
+
+async def cancel_workflow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
+    """Mark a workflow cancelled unless it already ended; returns its state after."""
+    if await etcd.get(ks.workflow(wid)) is None:
+        raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
+    for _ in range(20):
+        current = await etcd.get(ks.workflow_state(wid))
+        state = json.loads(current[0])["state"] if current else "pending"
+        if state in TERMINAL:
+            return state
+        guard = (
+            etcd.mod_revision_is(ks.workflow_state(wid), current[1])
+            if current else etcd.absent(ks.workflow_state(wid))
+        )
+        done = await etcd.txn([guard], [etcd.op_put(ks.workflow_state(wid), state_value("cancelled"))])
+        if done.succeeded:
+            return "cancelled"
+    raise UsageError(f"workflow {wid} kept changing state; try cancel again")
+
+
+async def set_workflow_state(
+    etcd: Etcd, ks: Keyspace, wid: str, expected: str, state: str
+) -> bool:
+    """Move a workflow from ``expected`` to ``state``; False if someone changed it first."""
+    done = await etcd.txn(
+        [etcd.value_is(ks.workflow_state(wid), state_value(expected))],
+        [etcd.op_put(ks.workflow_state(wid), state_value(state))],
+    )
+    return done.succeeded
+
+
+async def expand_experiment(
+    etcd: Etcd, ks: Keyspace, wid: str, experiment: str, params: Sequence[dict[str, Any]]
+) -> bool:
+    """Write an experiment's tasks, then its ``expanded`` marker.
+
+    Tasks are written in batches (etcd bounds a transaction's size); the marker
+    is written last and only once. Task values are deterministic (seeded), so a
+    new leader that repeats an interrupted expansion writes the same tasks.
+    """
+    marker = ks.expanded(wid, experiment)
+    puts = [
+        etcd.op_put(ks.task(TaskRef(wid, experiment, i)), dumps({"params": p}))
+        for i, p in enumerate(params)
+    ]
+    for start in range(0, len(puts), MAX_TXN_OPS):
+        done = await etcd.txn([etcd.absent(marker)], puts[start:start + MAX_TXN_OPS])
+        if not done.succeeded:
+            return False
+    done = await etcd.txn([etcd.absent(marker)], [etcd.op_put(marker, dumps({"count": len(params)}))])
+    return done.succeeded
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    """What a node intends to claim: a task, the attempt number it will be, the
+    ``workers`` slot it takes (if capped), and a lost attempt to close out."""
+
+    ref: TaskRef
+    attempt: int
+    slot: int | None = None
+    lost: Attempt | None = None
+
+    OPS = 4  # most operations one plan adds to a transaction
+
+
+async def claim_tasks(
+    etcd: Etcd, ks: Keyspace, plans: Sequence[ClaimPlan], node: str, lease: int, now: float
+) -> int | None:
+    """Claim every plan in one transaction; the claim revision, or None if any was taken."""
+    compare: list[Any] = []
+    ops: list[Any] = []
+    for p in plans:
+        claim = {"node": node, "attempt": p.attempt, "slot": p.slot, "lease": lease, "started_at": now}
+        running = Attempt(p.attempt, node, "running", started_at=now)
+        compare += [
+            etcd.absent(ks.claim(p.ref)),
+            etcd.absent(ks.result(p.ref)),
+            etcd.absent(ks.attempt(p.ref, p.attempt)),
+        ]
+        ops += [
+            etcd.op_put(ks.claim(p.ref), dumps(claim), lease=lease),
+            etcd.op_put(ks.attempt(p.ref, p.attempt), dumps(running.to_json())),
+        ]
+        if p.slot is not None:
+            slot_key = ks.slot(p.ref.workflow, p.ref.experiment, p.slot)
+            compare.append(etcd.absent(slot_key))
+            ops.append(etcd.op_put(slot_key, dumps({"task": p.ref.id}), lease=lease))
+        if p.lost is not None:
+            lost_key = ks.attempt(p.ref, p.lost.attempt)
+            lost = Attempt(
+                p.lost.attempt, p.lost.node, "failed", reason="node-lost",
+                started_at=p.lost.started_at, ended_at=now,
+            )
+            compare.append(etcd.mod_revision_is(lost_key, p.lost.revision))
+            ops.append(etcd.op_put(lost_key, dumps(lost.to_json())))
+    done = await etcd.txn(compare, ops)
+    return done.revision if done.succeeded else None
+
+
+async def finish_attempt(
+    etcd: Etcd,
+    ks: Keyspace,
+    ref: TaskRef,
+    claim_revision: int,
+    slot: int | None,
+    attempt: Attempt,
+    final_state: str | None,
+) -> bool:
+    """Record an attempt's end, release its claim, and (if final) the task's result.
+
+    Fenced: succeeds only while the claim is the one this attempt made. Returns
+    False when the claim was lost (the node's lease expired, or it was revoked),
+    in which case nothing is written.
+    """
+    ops = [
+        etcd.op_put(ks.attempt(ref, attempt.attempt), dumps(attempt.to_json())),
+        etcd.op_delete(ks.claim(ref)),
+    ]
+    if slot is not None:
+        ops.append(etcd.op_delete(ks.slot(ref.workflow, ref.experiment, slot)))
+    if final_state is not None:
+        result = {
+            "state": final_state,
+            "attempt": attempt.attempt,
+            "exit_code": attempt.exit_code,
+            "ended_at": attempt.ended_at or time.time(),
+        }
+        ops.append(etcd.op_put(ks.result(ref), dumps(result)))
+    done = await etcd.txn(
+        [etcd.mod_revision_is(ks.claim(ref), claim_revision), etcd.absent(ks.result(ref))], ops
+    )
+    return done.succeeded
