@@ -43,9 +43,7 @@ def fits(hw: Hardware, node: NodeRecord) -> bool:
     return not (hw.memory and node.memory and hw.memory > node.memory)
 
 
-def choose_claims(
-    view: MeshView, node: NodeRecord, load: LocalLoad, limit: int
-) -> list[ClaimPlan]:
+def choose_claims(view: MeshView, node: NodeRecord, load: LocalLoad, limit: int) -> list[ClaimPlan]:
     """Up to ``limit`` tasks this node can start now, with attempt numbers and slots."""
     free = node.slots - len(load.running)
     limit = min(limit, free)

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from hypermesh._proto import agent_pb2_grpc
 from hypermesh.agent import leader
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.runner import AttemptProcess, Outcome
 from hypermesh.agent.telemetry import detect_machine
+
+from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.etcd import Etcd
@@ -34,7 +34,13 @@ from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
 from hypermesh.sampling import expand, experiment_seed
 from hypermesh.templating import param_env, render
-from hypermesh.txns import ClaimPlan, claim_tasks, expand_experiment, finish_attempt, set_workflow_state
+from hypermesh.txns import (
+    ClaimPlan,
+    claim_tasks,
+    expand_experiment,
+    finish_attempt,
+    set_workflow_state,
+)
 
 log = logging.getLogger("hypermesh.agent")
 
@@ -123,8 +129,11 @@ class Agent:
             asyncio.create_task(self._keep_lease(), name="lease"),
             asyncio.create_task(
                 self.etcd.mirror(
-                    self.ks.root, self.view.apply, self._on_batch,
-                    reset=self.view.reset, ready=self._mirror_ready,
+                    self.ks.root,
+                    self.view.apply,
+                    self._on_batch,
+                    reset=self.view.reset,
+                    ready=self._mirror_ready,
                 ),
                 name="mirror",
             ),
@@ -151,8 +160,9 @@ class Agent:
     def _task_died(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or self._stop.is_set():
             return
-        log.error("%s: %s stopped unexpectedly", self.cfg.name, task.get_name(),
-                  exc_info=task.exception())
+        log.error(
+            "%s: %s stopped unexpectedly", self.cfg.name, task.get_name(), exc_info=task.exception()
+        )
         self.request_drain()
 
     def request_drain(self) -> None:
@@ -298,8 +308,11 @@ class Agent:
             exp = wf.recipe.experiment(ref.experiment)
             params = self.view.tasks.get(ref, {}).get("params", {})
             values = dict(params) | {
-                "workflow_id": ref.workflow, "experiment": ref.experiment,
-                "task_id": ref.id, "task_index": ref.index, "attempt": n,
+                "workflow_id": ref.workflow,
+                "experiment": ref.experiment,
+                "task_id": ref.id,
+                "task_index": ref.index,
+                "attempt": n,
             }
             commands = [render(c, values) for c in exp.command]
             r.process = AttemptProcess(
@@ -324,8 +337,13 @@ class Agent:
     async def _finish(self, r: Running, retries: int, started: float, outcome: Outcome) -> None:
         ref, n = r.plan.ref, r.plan.attempt
         attempt = Attempt(
-            n, self.cfg.name, outcome.state, outcome.exit_code, outcome.reason,
-            started, outcome.ended_at,
+            n,
+            self.cfg.name,
+            outcome.state,
+            outcome.exit_code,
+            outcome.reason,
+            started,
+            outcome.ended_at,
         )
         final: str | None = outcome.state
         if outcome.state == "failed":

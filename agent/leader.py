@@ -47,6 +47,8 @@ def plan(view: MeshView) -> list[Action]:
         final = view.derived_final_state(wid)
         if final is not None:
             actions.append(SetState(wid, stored, final))
-        elif stored == "pending" and expanding:
+        elif stored == "pending" and (
+            expanding or any((wid, e.name) in view.expanded for e in wf.recipe.experiments)
+        ):
             actions.append(SetState(wid, "pending", "running"))
     return actions

@@ -89,7 +89,9 @@ class AttemptProcess:
 
     async def _run_one(self, command: str, log: object, deadline: float | None) -> tuple[int, bool]:
         proc = await asyncio.create_subprocess_exec(
-            "/bin/bash", "-c", command,
+            "/bin/bash",
+            "-c",
+            command,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=log,  # type: ignore[arg-type]
             stderr=asyncio.subprocess.STDOUT,
@@ -113,7 +115,9 @@ class AttemptProcess:
         await self._terminate(proc, waiter)
         return waiter.result(), timed_out
 
-    async def _terminate(self, proc: asyncio.subprocess.Process, waiter: asyncio.Future[int]) -> None:
+    async def _terminate(
+        self, proc: asyncio.subprocess.Process, waiter: asyncio.Future[int]
+    ) -> None:
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout=self.grace)

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+from hypermesh.agent.telemetry import cpu_percent
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.agent.telemetry import cpu_percent
 from hypermesh.keyspace import TaskRef
 
 if TYPE_CHECKING:
@@ -26,15 +26,29 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
 
-    async def GetNode(self, request: agent_pb2.GetNodeRequest, context: object) -> agent_pb2.NodeStatus:
+    async def GetNode(
+        self, request: agent_pb2.GetNodeRequest, context: object
+    ) -> agent_pb2.NodeStatus:
         a = self.agent
         rec = a.record()
         return agent_pb2.NodeStatus(
-            name=rec.name, address=rec.address, pool=rec.pool, spot=rec.spot,
-            slots=rec.slots, running=len(a.running), gpus=rec.gpus, gpu_type=rec.gpu_type,
-            cpus=rec.cpus, memory_bytes=rec.memory, leader=a.is_leader, state=a.state,
-            running_tasks=sorted(str(r) for r in a.running), labels=rec.labels,
-            cpu_percent=cpu_percent(), lease_id=a.lease, started_at=a.started_at,
+            name=rec.name,
+            address=rec.address,
+            pool=rec.pool,
+            spot=rec.spot,
+            slots=rec.slots,
+            running=len(a.running),
+            gpus=rec.gpus,
+            gpu_type=rec.gpu_type,
+            cpus=rec.cpus,
+            memory_bytes=rec.memory,
+            leader=a.is_leader,
+            state=a.state,
+            running_tasks=sorted(str(r) for r in a.running),
+            labels=rec.labels,
+            cpu_percent=cpu_percent(),
+            lease_id=a.lease,
+            started_at=a.started_at,
         )
 
     async def ReadLogs(

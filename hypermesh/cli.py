@@ -80,11 +80,17 @@ class Mesh:
 def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``--etcd`` and ``--namespace`` on every command (also accepted before it)."""
     fn = click.option(
-        "--namespace", "namespace", default=None, metavar="NAME",
+        "--namespace",
+        "namespace",
+        default=None,
+        metavar="NAME",
         help=f"Mesh namespace in etcd [env {ENV_NAMESPACE}; default 'default'].",
     )(fn)
     fn = click.option(
-        "--etcd", "etcd", default=None, metavar="URL[,URL...]",
+        "--etcd",
+        "etcd",
+        default=None,
+        metavar="URL[,URL...]",
         help=f"etcd endpoints [env {ENV_ETCD}; default http://127.0.0.1:2379].",
     )(fn)
 
@@ -133,25 +139,54 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
 @agent.command("start")
 @click.option("--name", default=None, help="Node name, unique in the mesh [default: host name].")
 @click.option("--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT.")
-@click.option("--work-dir", type=click.Path(path_type=Path), default=Path("hypermesh-work"),
-              show_default=True, help="Attempt logs and scratch space.")
+@click.option(
+    "--work-dir",
+    type=click.Path(path_type=Path),
+    default=Path("hypermesh-work"),
+    show_default=True,
+    help="Attempt logs and scratch space.",
+)
 @click.option("--slots", type=int, default=1, show_default=True, help="Tasks run at once.")
 @click.option("--pool", default="default", show_default=True, help="Pool this node belongs to.")
 @click.option("--spot", is_flag=True, help="This is a preemptible (spot) machine.")
 @click.option("--gpus", type=int, default=None, help="GPU count [default: from NVML].")
 @click.option("--gpu-type", default=None, help="GPU type, e.g. a100 [default: from NVML].")
 @click.option("--label", "labels", multiple=True, metavar="K=V", help="Node label (repeatable).")
-@click.option("--lease-ttl", type=int, default=None,
-              help="Seconds until etcd drops a silent node [lan: 10, local: 3].")
-@click.option("--grace", type=float, default=None,
-              help="Seconds between SIGTERM and SIGKILL for stopped tasks [lan: 10, local: 2].")
-@click.option("--preset", type=click.Choice(["lan", "local"]), default="lan", show_default=True,
-              help="Timing preset; 'local' is for tests and the local mesh.")
+@click.option(
+    "--lease-ttl",
+    type=int,
+    default=None,
+    help="Seconds until etcd drops a silent node [lan: 10, local: 3].",
+)
+@click.option(
+    "--grace",
+    type=float,
+    default=None,
+    help="Seconds between SIGTERM and SIGKILL for stopped tasks [lan: 10, local: 2].",
+)
+@click.option(
+    "--preset",
+    type=click.Choice(["lan", "local"]),
+    default="lan",
+    show_default=True,
+    help="Timing preset; 'local' is for tests and the local mesh.",
+)
 @mesh_options
-def agent_start(mesh: Mesh, name: str | None, listen: str, work_dir: Path, slots: int,
-                pool: str, spot: bool, gpus: int | None, gpu_type: str | None,
-                labels: tuple[str, ...], lease_ttl: int | None, grace: float | None,
-                preset: str) -> None:
+def agent_start(
+    mesh: Mesh,
+    name: str | None,
+    listen: str,
+    work_dir: Path,
+    slots: int,
+    pool: str,
+    spot: bool,
+    gpus: int | None,
+    gpu_type: str | None,
+    labels: tuple[str, ...],
+    lease_ttl: int | None,
+    grace: float | None,
+    preset: str,
+) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
     SIGTERM drains: no new claims; running tasks get SIGTERM, then SIGKILL after
@@ -160,8 +195,14 @@ def agent_start(mesh: Mesh, name: str | None, listen: str, work_dir: Path, slots
     from hypermesh.agent.daemon import Agent
 
     overrides: dict[str, Any] = {
-        "listen": listen, "work_dir": work_dir, "slots": slots, "pool": pool, "spot": spot,
-        "gpus": gpus, "gpu_type": gpu_type, "labels": _parse_labels(labels),
+        "listen": listen,
+        "work_dir": work_dir,
+        "slots": slots,
+        "pool": pool,
+        "spot": spot,
+        "gpus": gpus,
+        "gpu_type": gpu_type,
+        "labels": _parse_labels(labels),
     }
     if name:
         overrides["name"] = name
@@ -183,14 +224,25 @@ def agent_start(mesh: Mesh, name: str | None, listen: str, work_dir: Path, slots
 @main.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--name", default=None, help="Workflow name [default: recipe's name or file stem].")
-@click.option("--set", "overrides", multiple=True, metavar="EXP.FIELD=VALUE",
-              help="Override a recipe field (repeatable), e.g. mnist.samples=10.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="EXP.FIELD=VALUE",
+    help="Override a recipe field (repeatable), e.g. mnist.samples=10.",
+)
 @click.option("--seed", type=int, default=None, help="Seed for parameter sampling.")
 @click.option("--wait", is_flag=True, help="Show progress; exit 0 if all tasks succeed, else 1.")
 @mesh_options
 @run_async
-async def submit(mesh: Mesh, recipe: Path, name: str | None, overrides: tuple[str, ...],
-                 seed: int | None, wait: bool) -> None:
+async def submit(
+    mesh: Mesh,
+    recipe: Path,
+    name: str | None,
+    overrides: tuple[str, ...],
+    seed: int | None,
+    wait: bool,
+) -> None:
     """Submit a recipe; print the workflow id as the last word on stdout."""
     from hypermesh.recipe import load_recipe
     from hypermesh.txns import new_workflow_id, submit_workflow
@@ -203,8 +255,13 @@ async def submit(mesh: Mesh, recipe: Path, name: str | None, overrides: tuple[st
         seed = secrets.randbelow(2**31)
     wf_name = name or parsed.name or recipe.stem
     wf = WorkflowRecord(
-        id=new_workflow_id(wf_name), name=wf_name, recipe=parsed, seed=seed,
-        submitted_at=time.time(), workdir=str(workdir), source=str(recipe),
+        id=new_workflow_id(wf_name),
+        name=wf_name,
+        recipe=parsed,
+        seed=seed,
+        submitted_at=time.time(),
+        workdir=str(workdir),
+        source=str(recipe),
     )
     async with mesh.connect() as etcd:
         await submit_workflow(etcd, mesh.ks, wf)
@@ -281,7 +338,11 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
     """Show a workflow's state per experiment (all workflows if none is named)."""
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    ids = [workflow] if workflow else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+    ids = (
+        [workflow]
+        if workflow
+        else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+    )
     summaries = [view.workflow_summary(w) for w in ids]
     if as_json:
         _print_json(summaries[0] if workflow else summaries)
@@ -290,24 +351,33 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
         click.echo("no workflows")
     for s in summaries:
         click.echo(f"{s['id']}  {s['name']}  {s['state']}")
-        click.echo(f"  {'EXPERIMENT':<20}{'STATE':<11}{'TOTAL':>6}{'PEND':>6}{'RUN':>6}"
-                   f"{'OK':>6}{'FAIL':>6}{'CANC':>6}")
+        click.echo(
+            f"  {'EXPERIMENT':<20}{'STATE':<11}{'TOTAL':>6}{'PEND':>6}{'RUN':>6}"
+            f"{'OK':>6}{'FAIL':>6}{'CANC':>6}"
+        )
         for name, e in s["experiments"].items():
-            click.echo(f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
-                       f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}")
+            click.echo(
+                f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
+                f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
+            )
 
 
 @main.command()
 @click.argument("workflow")
 @click.option("--experiment", default=None, help="Only tasks of this experiment.")
-@click.option("--state", "state_filter", default=None,
-              type=click.Choice(["pending", "running", "succeeded", "failed", "cancelled"]),
-              help="Only tasks in this state.")
+@click.option(
+    "--state",
+    "state_filter",
+    default=None,
+    type=click.Choice(["pending", "running", "succeeded", "failed", "cancelled"]),
+    help="Only tasks in this state.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
-async def tasks(mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None,
-                as_json: bool) -> None:
+async def tasks(
+    mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None, as_json: bool
+) -> None:
     """List a workflow's tasks with their parameters and attempts."""
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
@@ -320,8 +390,10 @@ async def tasks(mesh: Mesh, workflow: str, experiment: str | None, state_filter:
     for r in rows:
         last = r["attempts"][-1] if r["attempts"] else {}
         params = " ".join(f"{k}={v}" for k, v in r["params"].items())
-        click.echo(f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
-                   f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}")
+        click.echo(
+            f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
+            f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}"
+        )
 
 
 @main.command()
@@ -343,21 +415,34 @@ async def nodes(mesh: Mesh, as_json: bool) -> None:
         running[c.node] = running.get(c.node, 0) + 1
     rows = [
         {
-            "name": n.name, "address": n.address, "state": n.state, "pool": n.pool,
-            "spot": n.spot, "slots": n.slots, "running": running.get(n.name, 0),
-            "gpus": n.gpus, "gpu_type": n.gpu_type, "cpus": n.cpus, "memory": n.memory,
-            "labels": n.labels, "leader": n.name == leader,
+            "name": n.name,
+            "address": n.address,
+            "state": n.state,
+            "pool": n.pool,
+            "spot": n.spot,
+            "slots": n.slots,
+            "running": running.get(n.name, 0),
+            "gpus": n.gpus,
+            "gpu_type": n.gpu_type,
+            "cpus": n.cpus,
+            "memory": n.memory,
+            "labels": n.labels,
+            "leader": n.name == leader,
         }
         for n in sorted(view.nodes.values(), key=lambda n: n.name)
     ]
     if as_json:
         _print_json(rows)
         return
-    click.echo(f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'POOL':<10}{'SLOTS':>6}{'RUN':>5}"
-               f"{'GPUS':>5}  LEADER")
+    click.echo(
+        f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'POOL':<10}{'SLOTS':>6}{'RUN':>5}"
+        f"{'GPUS':>5}  LEADER"
+    )
     for r in rows:
-        click.echo(f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['pool']:<10}"
-                   f"{r['slots']:>6}{r['running']:>5}{r['gpus']:>5}  {'*' if r['leader'] else ''}")
+        click.echo(
+            f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['pool']:<10}"
+            f"{r['slots']:>6}{r['running']:>5}{r['gpus']:>5}  {'*' if r['leader'] else ''}"
+        )
 
 
 @main.command()
@@ -389,7 +474,9 @@ async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool) -> None:
         node = attempts[n].node
         found = await etcd.get(ks.node(node))
     if found is None:
-        raise NotFound(f"node {node}, which ran {ref} attempt {n}, is gone; its log was on its disk")
+        raise NotFound(
+            f"node {node}, which ran {ref} attempt {n}, is gone; its log was on its disk"
+        )
     address = json.loads(found[0])["address"]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = agent_pb2_grpc.AgentStub(channel)
@@ -413,8 +500,8 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
     from hypermesh.txns import cancel_workflow
 
     async with mesh.connect() as etcd:
-        state = await cancel_workflow(etcd, mesh.ks, workflow)
-    if state == "cancelled":
+        state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
+    if changed:
         _err(f"{workflow} cancelled; running tasks are being stopped")
     else:
         _err(f"{workflow} had already ended: {state}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypermesh.errors import UsageError
-from hypermesh.keyspace import NAME_RE
+from hypermesh.keyspace import NODE_NAME_RE
 
 ENV_ETCD = "HYPERMESH_ETCD"
 ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
@@ -62,9 +62,9 @@ class AgentConfig:
     many agents race for the same tasks."""
 
     def __post_init__(self) -> None:
-        if not NAME_RE.match(self.name):
+        if not NODE_NAME_RE.fullmatch(self.name):
             raise UsageError(
-                f"--name {self.name!r}: 1-63 letters, digits, '-' or '_', "
+                f"--name {self.name!r}: 1-253 letters, digits, '.', '-' or '_', "
                 "starting with a letter or digit"
             )
         _check_range("--slots", self.slots, 1, 4096)

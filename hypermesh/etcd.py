@@ -84,7 +84,9 @@ class Etcd:
         try:
             return await coro
         except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
-            raise EtcdUnavailable(f"etcd {what} failed at {','.join(self.endpoints)}: {exc}") from exc
+            raise EtcdUnavailable(
+                f"etcd {what} failed at {','.join(self.endpoints)}: {exc}"
+            ) from exc
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
         resp = await self._call("get", self.kv.get(key, timeout=self.timeout))
@@ -105,10 +107,13 @@ class Etcd:
 
     async def delete_prefix(self, prefix: str) -> None:
         await self._call(
-            "delete", self.kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
+            "delete",
+            self.kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout),
         )
 
-    async def txn(self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()) -> TxnResult:
+    async def txn(
+        self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()
+    ) -> TxnResult:
         resp = await self._call(
             "txn", self.kv.txn(compare, success, list(failure), timeout=self.timeout)
         )
@@ -123,7 +128,9 @@ class Etcd:
     def mod_revision_is(key: str, revision: int) -> Any:
         from etcd3aio._protobuf import Compare
 
-        return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision)
+        return Compare(
+            result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision
+        )
 
     @staticmethod
     def value_is(key: str, value: bytes) -> Any:
@@ -163,7 +170,11 @@ class Etcd:
         raise EtcdUnavailable("lease keepalive stream closed without an answer")
 
     async def keep_lease(
-        self, lease: int, ttl: int, on_lost: Callable[[], None], clock: Callable[[], float] = time.monotonic
+        self,
+        lease: int,
+        ttl: int,
+        on_lost: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Renew ``lease`` every ttl/3 s until cancelled; call ``on_lost`` once when it is gone.
 
@@ -246,4 +257,11 @@ def keepalive_interval(ttl: int) -> float:
     return max(0.5, ttl / 3)
 
 
-__all__ = ["DEFAULT_ETCD", "MAX_TXN_OPS", "Etcd", "LeaseLost", "keepalive_interval", "parse_endpoints"]
+__all__ = [
+    "DEFAULT_ETCD",
+    "MAX_TXN_OPS",
+    "Etcd",
+    "LeaseLost",
+    "keepalive_interval",
+    "parse_endpoints",
+]

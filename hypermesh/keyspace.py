@@ -4,18 +4,20 @@ Every key of a mesh lives under ``/hypermesh/<namespace>/`` so that several mesh
 (and test runs) can share one etcd. Values are compact JSON. Keys of one workflow
 share a prefix per kind so a workflow can be read or deleted with one range.
 
-| key                               | value                         | lease       | written by            |
-| --------------------------------- | ----------------------------- | ----------- | --------------------- |
-| ``node/<name>``                   | node registration             | node lease  | the node              |
-| ``elect/<lease hex>``             | node name (lowest create rev leads) | node lease | the node       |
-| ``wf/<wid>``                      | workflow spec (parsed recipe) | none        | ``submit``            |
-| ``wfstate/<wid>``                 | pending/running/terminal state | none       | submit, leader, cancel |
-| ``expanded/<wid>/<exp>``          | task count of an expanded experiment | none | leader                |
-| ``task/<wid>/<exp>/<index>``      | task parameters               | none        | leader                |
-| ``claim/<wid>/<exp>/<index>``     | claim: node, attempt, slot    | node lease  | claiming node         |
-| ``slot/<wid>/<exp>/<k>``          | task holding concurrency slot k of a ``workers`` cap | node lease | claiming node |
-| ``attempt/<wid>/<exp>/<index>/<n>`` | attempt record              | none        | claiming node (fenced) |
-| ``result/<wid>/<exp>/<index>``    | the task's final outcome (at most one) | none | claiming node (fenced) |
+- ``node/<name>``: node registration; on the node's lease; by the node.
+- ``elect/<lease hex>``: a leadership candidate (lowest create revision leads);
+  on the node's lease.
+- ``wf/<wid>``: workflow spec (the parsed recipe, seed, workdir); by ``submit``.
+- ``wfstate/<wid>``: pending, running or a terminal state; by submit, the
+  leader and ``cancel``.
+- ``expanded/<wid>/<exp>``: task count of an expanded experiment; by the leader.
+- ``task/<wid>/<exp>/<index>``: the task's parameters; by the leader.
+- ``claim/<wid>/<exp>/<index>``: node, attempt and slot of the running attempt;
+  on the claiming node's lease.
+- ``slot/<wid>/<exp>/<k>``: slot k of an experiment's ``workers`` cap; on the
+  claiming node's lease.
+- ``attempt/<wid>/<exp>/<index>/<n>``: attempt record; by the claiming node, fenced.
+- ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+# Node names may also hold dots (host names such as ip-10-0-0-1.ec2.internal).
+NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
 
 
 @dataclass(frozen=True, order=True)
@@ -58,7 +62,7 @@ class Keyspace:
     """Key names for one namespace. Pure string functions; no I/O."""
 
     def __init__(self, namespace: str) -> None:
-        if not NAME_RE.match(namespace):
+        if not NAME_RE.fullmatch(namespace):
             raise ValueError(
                 f"namespace {namespace!r} must be 1-63 letters, digits, '-' or '_', "
                 "starting with a letter or digit"
@@ -122,5 +126,5 @@ class Keyspace:
         """Split a key of this namespace into (kind, parts); None for foreign keys."""
         if not key.startswith(self.root):
             return None
-        kind, _, rest = key[len(self.root):].partition("/")
+        kind, _, rest = key[len(self.root) :].partition("/")
         return kind, rest.split("/") if rest else []

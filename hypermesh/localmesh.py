@@ -61,43 +61,66 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One etcd member on free loopback ports with its own data directory."""
 
-    def __init__(self, data_dir: Path, *, client_port: int | None = None, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        fsync: bool = True,
+        name: str = "hm",
+        initial_cluster: str | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
-        self.peer_port = free_port()
+        self.peer_port = peer_port or free_port()
         self.fsync = fsync
+        self.name = name
+        self.initial_cluster = initial_cluster
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.client_port}"
 
-    def start(self, timeout: float = 30.0) -> EtcdServer:
+    def start(self, timeout: float = 30.0, wait: bool = True) -> EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
             etcd_binary(),
-            "--name", "hm",
-            "--data-dir", str(self.data_dir / "data"),
-            "--listen-client-urls", self.url,
-            "--advertise-client-urls", self.url,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"hm={peer}",
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir / "data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            self.initial_cluster or f"{self.name}={peer}",
+            "--initial-cluster-token",
+            "hypermesh-local",
             # Without checkpoints an etcd leader change restarts every lease's TTL.
             "--experimental-enable-lease-checkpoint",
-            "--log-level", "warn",
+            "--log-level",
+            "warn",
         ]
         if not self.fsync:
             args.append("--unsafe-no-fsync")
-        log = open(self.data_dir / "etcd.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
-        try:
-            wait_for(self.healthy, timeout, f"etcd at {self.url}")
-        except TimeoutError:
-            self.stop()
-            raise
+        with open(self.data_dir / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        if wait:
+            try:
+                wait_for(self.healthy, timeout, f"etcd at {self.url}")
+            except TimeoutError:
+                self.stop()
+                raise
         return self
 
     def healthy(self) -> bool:
@@ -116,6 +139,50 @@ class EtcdServer:
             self.proc = None
 
     def __enter__(self) -> EtcdServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EtcdCluster:
+    """Several etcd members on loopback forming one cluster (for failover tests)."""
+
+    def __init__(self, root: Path, size: int = 3, *, fsync: bool = False) -> None:
+        ports = [(free_port(), free_port()) for _ in range(size)]
+        cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+        self.members = [
+            EtcdServer(
+                Path(root) / f"m{i}",
+                client_port=client,
+                peer_port=peer,
+                fsync=fsync,
+                name=f"m{i}",
+                initial_cluster=cluster,
+            )
+            for i, (client, peer) in enumerate(ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(m.url for m in self.members)
+
+    def start(self, timeout: float = 60.0) -> EtcdCluster:
+        try:
+            for m in self.members:  # members wait for each other: start all, then check
+                m.start(wait=False)
+            for m in self.members:
+                wait_for(m.healthy, timeout, f"etcd member {m.name} at {m.url}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -144,11 +211,24 @@ class AgentProcess:
         self.name = name
         self.work_dir = Path(work_dir)
         self.args = [
-            *hypermesh_command(), "agent", "start",
-            "--etcd", etcd_url, "--namespace", namespace,
-            "--name", name, "--listen", "127.0.0.1:0",
-            "--work-dir", str(self.work_dir), "--slots", str(slots),
-            "--preset", "local", *extra,
+            *hypermesh_command(),
+            "agent",
+            "start",
+            "--etcd",
+            etcd_url,
+            "--namespace",
+            namespace,
+            "--name",
+            name,
+            "--listen",
+            "127.0.0.1:0",
+            "--work-dir",
+            str(self.work_dir),
+            "--slots",
+            str(slots),
+            "--preset",
+            "local",
+            *extra,
         ]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
@@ -162,12 +242,11 @@ class AgentProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         address_file = self.work_dir / "agent.address"
         address_file.unlink(missing_ok=True)
-        log = open(self.log_path, "ab")
         env = dict(os.environ if self.env is None else self.env)
-        self.proc = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
 
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -226,8 +305,14 @@ class LocalMesh:
     """etcd plus N agents under one directory. Stops everything on ``close``."""
 
     def __init__(
-        self, root: Path, *, agents: int = 1, slots: int = 2, namespace: str = "default",
-        fsync: bool = True, agent_args: Sequence[str] = (),
+        self,
+        root: Path,
+        *,
+        agents: int = 1,
+        slots: int = 2,
+        namespace: str = "default",
+        fsync: bool = True,
+        agent_args: Sequence[str] = (),
     ) -> None:
         self.root = Path(root)
         self.namespace = namespace
@@ -247,10 +332,16 @@ class LocalMesh:
             raise
         return self
 
-    def add_agent(self, name: str, *, slots: int | None = None, extra: Sequence[str] = ()) -> AgentProcess:
+    def add_agent(
+        self, name: str, *, slots: int | None = None, extra: Sequence[str] = ()
+    ) -> AgentProcess:
         agent = AgentProcess(
-            name, self.etcd.url, self.namespace, self.root / name,
-            slots=slots or self.slots, extra=[*self.agent_args, *extra],
+            name,
+            self.etcd.url,
+            self.namespace,
+            self.root / name,
+            slots=slots or self.slots,
+            extra=[*self.agent_args, *extra],
         )
         self.agents.append(agent)
         agent.start()

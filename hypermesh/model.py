@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hypermesh.errors import HypermeshError
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.recipe import Experiment, Recipe
 from hypermesh.sampling import planned_count
@@ -184,6 +185,9 @@ class MeshView:
         self.slots: dict[tuple[str, str], set[int]] = defaultdict(set)
         # Tasks with neither a claim nor a result, per (workflow, experiment).
         self.open: dict[tuple[str, str], set[int]] = defaultdict(set)
+        # Known tasks per (workflow, experiment) by raw state: open, running, or
+        # their result's state. Kept incrementally so summaries cost O(1).
+        self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -204,8 +208,10 @@ class MeshView:
             return
         try:
             data: dict[str, Any] | None = json.loads(value) if value else None
+            if data is not None and not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             handler(parts, data, create_revision, mod_revision)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, HypermeshError) as exc:
             # A malformed key must not stop the mirror; it is skipped and reported.
             log.warning("ignoring malformed key %s: %s", key, exc)
 
@@ -242,23 +248,41 @@ class MeshView:
     def _ref(self, parts: list[str]) -> TaskRef:
         return TaskRef(parts[0], parts[1], int(parts[2]))
 
-    def _refresh_open(self, ref: TaskRef) -> None:
-        bucket = self.open[(ref.workflow, ref.experiment)]
-        if ref in self.tasks and ref not in self.claims and ref not in self.results:
-            bucket.add(ref.index)
+    def _raw_state(self, ref: TaskRef) -> str | None:
+        if ref not in self.tasks:
+            return None
+        result = self.results.get(ref)
+        if result is not None:
+            return result.state
+        return "running" if ref in self.claims else "open"
+
+    def _refresh_open(self, ref: TaskRef, before: str | None) -> None:
+        after = self._raw_state(ref)
+        key = (ref.workflow, ref.experiment)
+        if after == "open":
+            self.open[key].add(ref.index)
         else:
-            bucket.discard(ref.index)
+            self.open[key].discard(ref.index)
+        if before != after:
+            if before is not None:
+                self.counts[key][before] -= 1
+            if after is not None:
+                self.counts[key][after] += 1
 
     def _apply_task(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref = self._ref(parts)
+        before = self._raw_state(ref)
         if data is None:
             self.tasks.pop(ref, None)
         else:
+            if not isinstance(data.get("params", {}), dict):
+                raise TypeError("task params must be an object")
             self.tasks[ref] = data
-        self._refresh_open(ref)
+        self._refresh_open(ref, before)
 
     def _apply_claim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref = self._ref(parts)
+        before = self._raw_state(ref)
         if data is None:
             self.claims.pop(ref, None)
         else:
@@ -270,18 +294,27 @@ class MeshView:
                 started_at=float(data.get("started_at", 0.0)),
                 revision=mrev,
             )
-        self._refresh_open(ref)
+        self._refresh_open(ref, before)
 
     def _apply_attempt(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref, n = self._ref(parts), int(parts[3])
         if data is None:
             self.attempts[ref].pop(n, None)
         else:
-            fields = {k: data.get(k) for k in Attempt.__dataclass_fields__ if k != "revision"}
-            self.attempts[ref][n] = Attempt(**fields, revision=mrev)
+            self.attempts[ref][n] = Attempt(
+                attempt=int(data["attempt"]),
+                node=str(data["node"]),
+                state=str(data["state"]),
+                exit_code=data.get("exit_code"),
+                reason=data.get("reason"),
+                started_at=data.get("started_at"),
+                ended_at=data.get("ended_at"),
+                revision=mrev,
+            )
 
     def _apply_result(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref = self._ref(parts)
+        before = self._raw_state(ref)
         if data is None:
             self.results.pop(ref, None)
         else:
@@ -291,7 +324,7 @@ class MeshView:
                 exit_code=data.get("exit_code"),
                 ended_at=float(data.get("ended_at", 0.0)),
             )
-        self._refresh_open(ref)
+        self._refresh_open(ref, before)
 
     def _apply_slot(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bucket = self.slots[(parts[0], parts[1])]
@@ -314,7 +347,8 @@ class MeshView:
 
     def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
         return sorted(
-            r for r in self.tasks
+            r
+            for r in self.tasks
             if r.workflow == wid and (experiment is None or r.experiment == experiment)
         )
 
@@ -331,7 +365,8 @@ class MeshView:
     def counted_failures(self, ref: TaskRef) -> int:
         """Ended attempts that count against ``retries`` (failed exits and timeouts)."""
         return sum(
-            1 for a in self.attempts.get(ref, {}).values()
+            1
+            for a in self.attempts.get(ref, {}).values()
             if a.state == "failed" and a.reason in COUNTED_REASONS
         )
 
@@ -348,10 +383,17 @@ class MeshView:
             if wstate == "cancelled" or blocked:
                 return ExperimentSummary("cancelled", total, cancelled=total)
             return ExperimentSummary("pending", total, pending=total)
+        counts = self.counts.get((wf.id, exp.name), Counter())
         summary = ExperimentSummary("pending", count)
-        for index in range(count):
-            state = self.task_state(TaskRef(wf.id, exp.name, index))
-            setattr(summary, state, getattr(summary, state) + 1)
+        summary.running = counts["running"]
+        summary.succeeded = counts["succeeded"]
+        summary.failed = counts["failed"]
+        summary.cancelled = counts["cancelled"]
+        waiting = count - summary.running - summary.succeeded - summary.failed - summary.cancelled
+        if wstate == "cancelled":
+            summary.cancelled += waiting
+        else:
+            summary.pending = waiting
         done = summary.succeeded + summary.failed + summary.cancelled
         if done == count:
             summary.state = (
@@ -364,9 +406,7 @@ class MeshView:
     def workflow_summary(self, wid: str) -> dict[str, Any]:
         """The ``hypermesh status --json`` object of one workflow."""
         wf = self.workflows[wid]
-        experiments = {
-            exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments
-        }
+        experiments = {exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments}
         stored = self.workflow_state(wid)
         state = stored
         if stored not in TERMINAL:

@@ -11,7 +11,14 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 
 class ProgressDisplay:
@@ -36,19 +43,27 @@ class ProgressDisplay:
             if line != self.last_line:
                 self.last_line = line
                 elapsed = time.monotonic() - self.started
-                print(f"[{elapsed:6.1f}s] {self.wid} {summary['state']}: {line}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"[{elapsed:6.1f}s] {self.wid} {summary['state']}: {line}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         if self.progress is None:
             self.progress = Progress(
-                TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"), TimeElapsedColumn(), console=self.console,
+                TextColumn("{task.description:<24}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[detail]}"),
+                TimeElapsedColumn(),
+                console=self.console,
             )
             self.progress.start()
         for name, e in exps.items():
             done = e["succeeded"] + e["failed"] + e["cancelled"]
             detail = f"{e['state']}, {e['running']} running" + (
-                f", {e['failed']} failed" if e["failed"] else "")
+                f", {e['failed']} failed" if e["failed"] else ""
+            )
             if name not in self.bars:
                 self.bars[name] = self.progress.add_task(name, total=e["total"], detail=detail)
             self.progress.update(self.bars[name], completed=done, total=e["total"], detail=detail)

@@ -2,10 +2,13 @@
 
 ``parse_recipe`` either returns a fully validated ``Recipe`` or raises one ``RecipeError``
 that lists every problem in the file, each with its 1-based line and dotted field path
-(``experiments.mnist.parameters.lr.range``); nothing partial is ever returned. ``--set``
-overrides are applied to the composed YAML before validation, so an overridden value is
-checked like any other. The format itself is described in ``_fields`` and the checks in
-``_Checker``; ``Recipe.to_json``/``from_json`` store a recipe losslessly (in etcd, say).
+(``experiments.mnist.parameters.lr.range``); nothing partial is ever returned.
+
+The pipeline: ``yaml.compose`` gives nodes with line marks; ``_Reader`` turns them into
+``_Node``s (plain values plus lines), reporting duplicate keys on the way; ``--set``
+overrides are written into that tree (``_apply_override``), so an overridden value is
+checked like any other; ``_Checker`` validates the tree into dataclasses, collecting every
+problem. ``Recipe.to_json``/``from_json`` store a validated recipe losslessly (in etcd).
 """
 
 from __future__ import annotations
@@ -21,14 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from hypermesh.errors import NotFound, Problem, RecipeError
-from hypermesh.templating import (
-    BUILTINS,
-    PARAM_ENV_PREFIX,
-    format_value,
-    malformed_placeholders,
-    quoted_placeholders,
-    template_names,
-)
+from hypermesh.templating import BUILTINS, PARAM_ENV_PREFIX, format_value, placeholder_problems
 from hypermesh.units import UnitError, parse_duration, parse_size
 
 __all__ = [
@@ -250,14 +246,14 @@ class _TooLarge(Exception):
     """Aliases expand the document beyond ``_MAX_NODES`` nodes."""
 
 
-Report = Callable[[int | None, str, str], None]
+_Report = Callable[[int | None, str, str], None]
 
 
 class _Reader:
     """Turns a composed YAML node graph into ``_Node``s, reporting duplicate keys, bad keys,
     recursive aliases and unknown tags through ``report``; it never raises for those."""
 
-    def __init__(self, report: Report, origin: str | None = None) -> None:
+    def __init__(self, report: _Report, origin: str | None = None) -> None:
         self._constructor = yaml.SafeLoader("")
         self._report = report
         self._origin = origin
@@ -544,23 +540,13 @@ class _Checker:
             self.at(node, path, f"expected a command or a list of commands, got "
                     f"{_describe(node.value) if node.value != [] else 'an empty list'}")
             return None
-        known = set(declared) | BUILTINS
         commands: list[str] = []
         for item, item_path in items:
             text = self.string(item, item_path)
-            if text is None:
-                continue
-            commands.append(text)
-            for name in template_names(text):
-                if name not in known:
-                    choices = ", ".join(declared) or "none"
-                    self.at(item, item_path, f"unknown template variable {{{{{name}}}}}"
-                            f"{_suggest(name, known)} (parameters: {choices})")
-            for text_ in malformed_placeholders(text):
-                self.at(item, item_path, f"malformed placeholder {text_}: use {{{{name}}}}")
-            for text_ in quoted_placeholders(text):
-                self.at(item, item_path, f"placeholder {text_} is inside shell quotes or after a "
-                        "backslash; hypermesh quotes values itself, so leave it bare")
+            if text is not None:
+                commands.append(text)
+                for message in placeholder_problems(text, declared):
+                    self.at(item, item_path, message)
         return tuple(commands) if len(commands) == len(items) else None
 
     # ------------------------------------------------------------------ parameters
@@ -769,13 +755,16 @@ def _apply_override(root: _Node, text: str, checker: _Checker) -> None:
     if not equals or len(parts) < 2 or not all(parts):
         checker.report(None, where, f"expected EXP.FIELD=VALUE, got {text!r}")
         return
+    reader = _Reader(lambda _line, _path, message: checker.report(None, where, message), key)
     try:
         document = yaml.compose(raw, Loader=yaml.SafeLoader)
+        value = reader.read(document, where) if document is not None else _Node(None, None, key)
     except yaml.YAMLError as exc:
         checker.report(None, where, f"cannot parse value {raw!r}: {getattr(exc, 'problem', exc)}")
         return
-    reader = _Reader(lambda _line, _path, message: checker.report(None, where, message), key)
-    value = reader.read(document, where) if document is not None else _Node(None, None, key)
+    except _TooLarge:
+        checker.report(None, where, f"the value expands beyond {_MAX_NODES} nodes")
+        return
     top = root.value if isinstance(root.value, dict) else {}
     experiments = top.get("experiments")
     table = experiments.node.value if experiments is not None else None
@@ -815,7 +804,7 @@ def parse_recipe(text: str, source: str = "<recipe>", overrides: Sequence[str] =
         )
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        message = " ".join(m for m in (exc.context, exc.problem) if m)
+        message = "; ".join(m for m in (exc.context, exc.problem) if m)
         line = mark.line + 1 if mark is not None else None
         raise RecipeError([Problem(source, line, "", f"YAML syntax error: {message}")]) from None
     except yaml.YAMLError as exc:

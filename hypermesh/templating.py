@@ -14,9 +14,10 @@ Parameters also reach tasks as environment variables: ``param_env`` names them
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from hypermesh.errors import FatalError
@@ -28,6 +29,7 @@ __all__ = [
     "format_value",
     "malformed_placeholders",
     "param_env",
+    "placeholder_problems",
     "quoted_placeholders",
     "render",
     "template_names",
@@ -105,6 +107,28 @@ def quoted_placeholders(template: str) -> list[str]:
             state = ""
         index += 1
     return quoted
+
+
+def placeholder_problems(template: str, parameters: Collection[str]) -> list[str]:
+    """Why ``template`` cannot be rendered safely for an experiment with ``parameters``: one
+    message per unknown name (not a parameter nor a built-in), malformed placeholder, and
+    placeholder inside quotes. Empty when the template is fine."""
+    known = set(parameters) | BUILTINS
+    messages: list[str] = []
+    for name in template_names(template):
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            listed = ", ".join(parameters) or "none"
+            messages.append(f"unknown template variable {name!r}{hint} (parameters: {listed})")
+    for text in malformed_placeholders(template):
+        messages.append(f"malformed placeholder {text}: use {{{{name}}}} with an identifier")
+    for text in quoted_placeholders(template):
+        messages.append(
+            f"placeholder {text} stands inside shell quotes or after a backslash; hypermesh "
+            "quotes values itself, so write it bare"
+        )
+    return messages
 
 
 def format_value(value: Any) -> str:

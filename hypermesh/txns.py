@@ -47,28 +47,31 @@ async def submit_workflow(etcd: Etcd, ks: Keyspace, wf: WorkflowRecord) -> None:
         raise UsageError(f"workflow id {wf.id} already exists")
 
 
-async def cancel_workflow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
-    """Mark a workflow cancelled unless it already ended; returns its state after."""
+async def cancel_workflow(etcd: Etcd, ks: Keyspace, wid: str) -> tuple[str, bool]:
+    """Mark a workflow cancelled unless it already ended.
+
+    Returns its state after, and whether this call is the one that cancelled it."""
     if await etcd.get(ks.workflow(wid)) is None:
         raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
     for _ in range(20):
         current = await etcd.get(ks.workflow_state(wid))
         state = json.loads(current[0])["state"] if current else "pending"
         if state in TERMINAL:
-            return state
+            return state, False
         guard = (
             etcd.mod_revision_is(ks.workflow_state(wid), current[1])
-            if current else etcd.absent(ks.workflow_state(wid))
+            if current
+            else etcd.absent(ks.workflow_state(wid))
         )
-        done = await etcd.txn([guard], [etcd.op_put(ks.workflow_state(wid), state_value("cancelled"))])
+        done = await etcd.txn(
+            [guard], [etcd.op_put(ks.workflow_state(wid), state_value("cancelled"))]
+        )
         if done.succeeded:
-            return "cancelled"
+            return "cancelled", True
     raise UsageError(f"workflow {wid} kept changing state; try cancel again")
 
 
-async def set_workflow_state(
-    etcd: Etcd, ks: Keyspace, wid: str, expected: str, state: str
-) -> bool:
+async def set_workflow_state(etcd: Etcd, ks: Keyspace, wid: str, expected: str, state: str) -> bool:
     """Move a workflow from ``expected`` to ``state``; False if someone changed it first."""
     done = await etcd.txn(
         [etcd.value_is(ks.workflow_state(wid), state_value(expected))],
@@ -92,10 +95,12 @@ async def expand_experiment(
         for i, p in enumerate(params)
     ]
     for start in range(0, len(puts), MAX_TXN_OPS):
-        done = await etcd.txn([etcd.absent(marker)], puts[start:start + MAX_TXN_OPS])
+        done = await etcd.txn([etcd.absent(marker)], puts[start : start + MAX_TXN_OPS])
         if not done.succeeded:
             return False
-    done = await etcd.txn([etcd.absent(marker)], [etcd.op_put(marker, dumps({"count": len(params)}))])
+    done = await etcd.txn(
+        [etcd.absent(marker)], [etcd.op_put(marker, dumps({"count": len(params)}))]
+    )
     return done.succeeded
 
 
@@ -119,7 +124,13 @@ async def claim_tasks(
     compare: list[Any] = []
     ops: list[Any] = []
     for p in plans:
-        claim = {"node": node, "attempt": p.attempt, "slot": p.slot, "lease": lease, "started_at": now}
+        claim = {
+            "node": node,
+            "attempt": p.attempt,
+            "slot": p.slot,
+            "lease": lease,
+            "started_at": now,
+        }
         running = Attempt(p.attempt, node, "running", started_at=now)
         compare += [
             etcd.absent(ks.claim(p.ref)),
@@ -137,8 +148,12 @@ async def claim_tasks(
         if p.lost is not None:
             lost_key = ks.attempt(p.ref, p.lost.attempt)
             lost = Attempt(
-                p.lost.attempt, p.lost.node, "failed", reason="node-lost",
-                started_at=p.lost.started_at, ended_at=now,
+                p.lost.attempt,
+                p.lost.node,
+                "failed",
+                reason="node-lost",
+                started_at=p.lost.started_at,
+                ended_at=now,
             )
             compare.append(etcd.mod_revision_is(lost_key, p.lost.revision))
             ops.append(etcd.op_put(lost_key, dumps(lost.to_json())))

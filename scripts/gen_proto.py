@@ -60,11 +60,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
         stale = [
-            p.name for p in fresh if not (OUT_DIR / p.name).exists()
+            p.name
+            for p in fresh
+            if not (OUT_DIR / p.name).exists()
             or not filecmp.cmp(p, OUT_DIR / p.name, shallow=False)
         ]
     if stale:
-        print(f"stale generated stubs: {', '.join(stale)}; run scripts/gen_proto.py", file=sys.stderr)
+        print(
+            f"stale generated stubs: {', '.join(stale)}; run scripts/gen_proto.py", file=sys.stderr
+        )
         return 1
     return 0
 

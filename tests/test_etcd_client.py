@@ -1,0 +1,121 @@
+"""What hypermesh relies on from etcd and its young client library (etcd3aio),
+against real etcd servers: the mirror resumes after an etcd restart, clients fail
+over to another member, fenced transactions and leases behave as designed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from hypermesh.errors import EtcdUnavailable, UsageError
+from hypermesh.etcd import Etcd, parse_endpoints
+from hypermesh.localmesh import EtcdCluster, EtcdServer
+
+
+async def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("http://127.0.0.1:2379, 10.0.0.2:2380") == [
+        "127.0.0.1:2379",
+        "10.0.0.2:2380",
+    ]
+    for bad in ("", "ftp://x:1", "http://host", "https://h:1"):
+        with pytest.raises(UsageError):
+            parse_endpoints(bad)
+
+
+def test_mirror_resumes_after_etcd_restart(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path / "etcd", fsync=False).start()
+    seen: dict[str, bytes | None] = {}
+
+    def apply(key: str, value: bytes | None, crev: int, mrev: int) -> None:
+        seen[key] = value
+
+    async def scenario() -> None:
+        async with Etcd([server.url.split("//")[1]]) as etcd:
+            await etcd.put("/t/before", b"1")
+            mirror = asyncio.create_task(etcd.mirror("/t/", apply, lambda rev: None))
+            await wait_until(lambda: seen.get("/t/before") == b"1", 10, "initial load")
+            server.stop()
+            await asyncio.sleep(0.5)
+            server.start()
+            deadline = time.monotonic() + 20
+            while True:  # writes fail until the client reconnects
+                try:
+                    await etcd.put("/t/after", b"2")
+                    break
+                except EtcdUnavailable:
+                    assert time.monotonic() < deadline, "etcd did not come back"
+                    await asyncio.sleep(0.2)
+            await wait_until(lambda: seen.get("/t/after") == b"2", 20, "watch to resume")
+            mirror.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_failover_to_another_member(tmp_path: Path) -> None:
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    seen: dict[str, bytes | None] = {}
+
+    async def scenario() -> None:
+        endpoints = parse_endpoints(cluster.url)
+        async with Etcd(endpoints) as etcd:
+            lease = await etcd.grant(10)
+            await etcd.put("/f/leased", b"x", lease)
+            mirror = asyncio.create_task(
+                etcd.mirror("/f/", lambda k, v, c, m: seen.__setitem__(k, v), lambda rev: None)
+            )
+            await wait_until(lambda: "/f/leased" in seen, 10, "initial load")
+            cluster.members[0].stop()  # lose one member of three: quorum remains
+            for i in range(10):  # round robin hits every member; all must succeed
+                await etcd.put(f"/f/k{i}", str(i).encode())
+            assert await etcd.keepalive_once(lease) > 0
+            await wait_until(lambda: seen.get("/f/k9") == b"9", 20, "watch after failover")
+            assert (await etcd.get("/f/leased")) is not None
+            mirror.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cluster.stop()
+
+
+def test_fenced_transaction_and_lease_expiry(etcd_server: EtcdServer) -> None:
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease = await etcd.grant(2)
+            rev = await etcd.put("/x/claim", b"me", lease)
+            # A write fenced on the claim's revision succeeds while it is ours...
+            ok = await etcd.txn(
+                [etcd.mod_revision_is("/x/claim", rev)], [etcd.op_put("/x/res", b"1")]
+            )
+            assert ok.succeeded
+            # ...and fails once someone re-claimed it.
+            await etcd.put("/x/claim", b"other")
+            late = await etcd.txn(
+                [etcd.mod_revision_is("/x/claim", rev)], [etcd.op_put("/x/res", b"2")]
+            )
+            assert not late.succeeded
+            assert (await etcd.get("/x/res"))[0] == b"1"  # type: ignore[index]
+            # A lease nobody renews expires and takes its keys with it.
+            lease2 = await etcd.grant(2)
+            await etcd.put("/x/mine", b"1", lease2)
+            deadline = time.monotonic() + 10
+            while await etcd.get("/x/mine") is not None:
+                assert time.monotonic() < deadline, "lease did not expire"
+                await asyncio.sleep(0.2)
+            assert await etcd.keepalive_once(lease2) <= 0
+
+    asyncio.run(scenario())
