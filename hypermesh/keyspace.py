@@ -50,7 +50,12 @@ class TaskRef:
     def parse(cls, task_id: str) -> TaskRef:
         """Parse ``WID.EXP.INDEX``; raises ValueError naming the expected form."""
         parts = task_id.rsplit(".", 2)
-        if len(parts) != 3 or not parts[2].isdigit() or not parts[0] or not parts[1]:
+        if (
+            len(parts) != 3
+            or not (parts[2].isascii() and parts[2].isdigit())
+            or not parts[0]
+            or not parts[1]
+        ):
             raise ValueError(f"not a task id: {task_id!r} (expected WORKFLOW.EXPERIMENT.INDEX)")
         return cls(parts[0], parts[1], int(parts[2]))
 

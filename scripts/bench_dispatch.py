@@ -122,8 +122,12 @@ def children_cpu() -> float:
 
 def _cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*hypermesh_command(), *args], env=env, capture_output=True, text=True,
-        timeout=timeout, stdin=subprocess.DEVNULL,
+        [*hypermesh_command(), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
     )
 
 
@@ -188,9 +192,13 @@ def run_mesh_round(tasks: int, slots: int, fsync: bool) -> MeshRound:
                 raise BenchError(f"tasks {wid} --json exited {listed.returncode}: {listed.stderr}")
             span = agent_span(json.loads(listed.stdout), tasks)
         return MeshRound(
-            wall_s=wall, agent_span_s=span, tasks=tasks,
-            agent_cpu_s=agent1[0] - agent0[0], task_cpu_s=agent1[1] - agent0[1],
-            etcd_cpu_s=etcd1[0] - etcd0[0], cli_cpu_s=cli1 - cli0,
+            wall_s=wall,
+            agent_span_s=span,
+            tasks=tasks,
+            agent_cpu_s=agent1[0] - agent0[0],
+            task_cpu_s=agent1[1] - agent0[1],
+            etcd_cpu_s=etcd1[0] - etcd0[0],
+            cli_cpu_s=cli1 - cli0,
         )
 
 
@@ -204,7 +212,9 @@ def run_xargs_round(tasks: int, slots: int) -> XargsRound:
         lines.write_text("true\n" * tasks)
         start = time.perf_counter()
         done = subprocess.run(
-            xargs_command(slots, lines), stdin=subprocess.DEVNULL, timeout=SUBMIT_TIMEOUT_S,
+            xargs_command(slots, lines),
+            stdin=subprocess.DEVNULL,
+            timeout=SUBMIT_TIMEOUT_S,
         )
         wall = time.perf_counter() - start
     if done.returncode != 0:
@@ -243,8 +253,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=2000, help="tasks per side per round [2000]")
     p.add_argument("--slots", type=int, default=4, help="agent slots and xargs -P [4]")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each runs both sides [3]")
-    p.add_argument("--no-fsync", action="store_true",
-                   help="start etcd with --unsafe-no-fsync (default: fsync on)")
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="start etcd with --unsafe-no-fsync (default: fsync on)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name, low in (("tasks", 1), ("slots", 1), ("rounds", 1)):
@@ -259,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     log = sys.stderr if args.json else sys.stdout
     print(f"command: {command}", file=log)
-    print(f"{args.tasks} tasks, {args.slots} slots, {args.rounds} rounds, "
-          f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}", file=log)
+    print(
+        f"{args.tasks} tasks, {args.slots} slots, {args.rounds} rounds, "
+        f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
+        file=log,
+    )
 
     mesh_rounds: list[MeshRound] = []
     xargs_rounds: list[XargsRound] = []
@@ -268,16 +284,23 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(1, args.rounds + 1):
             m = run_mesh_round(args.tasks, args.slots, fsync)
             mesh_rounds.append(m)
-            print(f"round {i}: hypermesh {m.wall_s:7.2f}s  {m.end_to_end_tps:7.1f} tasks/s "
-                  f"end-to-end, {m.agent_tps:7.1f} tasks/s agent-side ({m.agent_span_s:.2f}s)",
-                  file=log, flush=True)
-            print(f"         CPU s during submit: agent {m.agent_cpu_s:.2f}, its tasks "
-                  f"{m.task_cpu_s:.2f}, etcd {m.etcd_cpu_s:.2f}, submit CLI {m.cli_cpu_s:.2f}",
-                  file=log, flush=True)
+            print(
+                f"round {i}: hypermesh {m.wall_s:7.2f}s  {m.end_to_end_tps:7.1f} tasks/s "
+                f"end-to-end, {m.agent_tps:7.1f} tasks/s agent-side ({m.agent_span_s:.2f}s)",
+                file=log,
+                flush=True,
+            )
+            print(
+                f"         CPU s during submit: agent {m.agent_cpu_s:.2f}, its tasks "
+                f"{m.task_cpu_s:.2f}, etcd {m.etcd_cpu_s:.2f}, submit CLI {m.cli_cpu_s:.2f}",
+                file=log,
+                flush=True,
+            )
             x = run_xargs_round(args.tasks, args.slots)
             xargs_rounds.append(x)
-            print(f"round {i}: xargs     {x.wall_s:7.2f}s  {x.tps:7.1f} tasks/s",
-                  file=log, flush=True)
+            print(
+                f"round {i}: xargs     {x.wall_s:7.2f}s  {x.tps:7.1f} tasks/s", file=log, flush=True
+            )
     except (BenchError, TimeoutError, subprocess.TimeoutExpired) as exc:
         print(f"bench_dispatch: {exc}", file=sys.stderr)
         return 1
@@ -285,26 +308,36 @@ def main(argv: list[str] | None = None) -> int:
     s = summarize(mesh_rounds, xargs_rounds)
     print(file=log)
     print(f"{'median tasks/s':<28}{'':>10}{'vs xargs':>10}", file=log)
-    print(f"{'hypermesh end-to-end':<28}{s['hypermesh_end_to_end_tps']:>10.1f}"
-          f"{s['ratio_end_to_end']:>10.3f}", file=log)
-    print(f"{'hypermesh agent-side':<28}{s['hypermesh_agent_tps']:>10.1f}"
-          f"{s['ratio_agent']:>10.3f}", file=log)
+    print(
+        f"{'hypermesh end-to-end':<28}{s['hypermesh_end_to_end_tps']:>10.1f}"
+        f"{s['ratio_end_to_end']:>10.3f}",
+        file=log,
+    )
+    print(
+        f"{'hypermesh agent-side':<28}{s['hypermesh_agent_tps']:>10.1f}{s['ratio_agent']:>10.3f}",
+        file=log,
+    )
     print(f"{'xargs -P ' + str(args.slots):<28}{s['xargs_tps']:>10.1f}{1:>10.3f}", file=log)
     if args.json:
-        print(json.dumps({
-            "command": command,
-            "tasks": args.tasks,
-            "slots": args.slots,
-            "rounds": args.rounds,
-            "fsync": fsync,
-            "machine": machine(),
-            "hypermesh_rounds": [
-                asdict(r) | {"end_to_end_tps": r.end_to_end_tps, "agent_tps": r.agent_tps}
-                for r in mesh_rounds
-            ],
-            "xargs_rounds": [asdict(r) | {"tps": r.tps} for r in xargs_rounds],
-            "medians": s,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "command": command,
+                    "tasks": args.tasks,
+                    "slots": args.slots,
+                    "rounds": args.rounds,
+                    "fsync": fsync,
+                    "machine": machine(),
+                    "hypermesh_rounds": [
+                        asdict(r) | {"end_to_end_tps": r.end_to_end_tps, "agent_tps": r.agent_tps}
+                        for r in mesh_rounds
+                    ],
+                    "xargs_rounds": [asdict(r) | {"tps": r.tps} for r in xargs_rounds],
+                    "medians": s,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

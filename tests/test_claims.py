@@ -6,8 +6,8 @@ import textwrap
 from typing import Any
 
 import pytest
-
 from hypermesh.agent.claims import LocalLoad, choose_claims, fits, gpu_type_matches
+
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import MeshView, NodeRecord, WorkflowRecord, dumps
 from hypermesh.recipe import Hardware, parse_recipe
@@ -129,7 +129,7 @@ def test_tasks_this_node_already_runs_are_not_planned_again() -> None:
 def test_claimed_and_finished_tasks_are_not_planned() -> None:
     feed = Feed()
     feed.workflow("w", one())
-    a, b, c, d = feed.tasks("w", "e", 4)
+    a, _, c, _ = feed.tasks("w", "e", 4)
     feed.claim(a)
     feed.put(feed.ks.result(c), {"state": "succeeded", "attempt": 1, "exit_code": 0,
                                  "ended_at": 1.0})

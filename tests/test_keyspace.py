@@ -41,12 +41,14 @@ def test_parse_splits_from_the_right() -> None:
     ["", "w", "w.e", "w.e.", ".e.1", "w..1", "w.e.x", "w.e.-1", "w.e. 1", "w/e/1"],
 )
 def test_parse_rejects_what_is_not_a_task_id(text: str) -> None:
-    with pytest.raises(ValueError, match="WORKFLOW.EXPERIMENT.INDEX"):
+    with pytest.raises(ValueError, match=r"WORKFLOW\.EXPERIMENT\.INDEX"):
         TaskRef.parse(text)
 
 
 def test_task_refs_order_by_workflow_experiment_then_numeric_index() -> None:
-    refs = [TaskRef("w", "e", 10), TaskRef("w", "e", 9), TaskRef("v", "z", 0), TaskRef("w", "a", 99)]
+    refs = [
+        TaskRef("w", "e", 10), TaskRef("w", "e", 9), TaskRef("v", "z", 0), TaskRef("w", "a", 99),
+    ]
     assert sorted(refs) == [
         TaskRef("v", "z", 0), TaskRef("w", "a", 99), TaskRef("w", "e", 9), TaskRef("w", "e", 10),
     ]
@@ -146,7 +148,10 @@ def test_split_of_a_bare_kind_has_no_parts() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["/hypermesh/other/node/n1", "/hypermesh/tt/node/n1", "/hypermesh/t", "node/n1", "", "/x/t/node/a"],
+    [
+        "/hypermesh/other/node/n1", "/hypermesh/tt/node/n1", "/hypermesh/t", "node/n1", "",
+        "/x/t/node/a",
+    ],
 )
 def test_split_ignores_keys_of_other_namespaces(key: str) -> None:
     assert Keyspace("t").split(key) is None

@@ -6,8 +6,8 @@ import textwrap
 from typing import Any
 
 import pytest
-
 from hypermesh.agent.leader import Expand, SetState, plan
+
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import MeshView, WorkflowRecord, dumps
 from hypermesh.recipe import parse_recipe
@@ -82,13 +82,17 @@ class Feed:
 def test_a_new_workflow_expands_its_roots_and_starts_running() -> None:
     feed = Feed()
     feed.workflow("w")
-    assert plan(feed.view) == [Expand("w", "a"), Expand("w", "b"), SetState("w", "pending", "running")]
+    assert plan(feed.view) == [
+        Expand("w", "a"), Expand("w", "b"), SetState("w", "pending", "running"),
+    ]
 
 
 def test_a_workflow_without_a_state_key_is_treated_as_pending() -> None:
     feed = Feed()
     feed.workflow("w", state=None)
-    assert plan(feed.view) == [Expand("w", "a"), Expand("w", "b"), SetState("w", "pending", "running")]
+    assert plan(feed.view) == [
+        Expand("w", "a"), Expand("w", "b"), SetState("w", "pending", "running"),
+    ]
 
 
 def test_nothing_to_do_while_roots_run() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import textwrap
 from typing import Any
 
@@ -59,7 +60,11 @@ class Feed:
         return self.rev
 
     def workflow(
-        self, wid: str, recipe: str = CHAIN, submitted_at: float = 100.0, state: str | None = "pending"
+        self,
+        wid: str,
+        recipe: str = CHAIN,
+        submitted_at: float = 100.0,
+        state: str | None = "pending",
     ) -> WorkflowRecord:
         wf = WorkflowRecord(
             id=wid, name=f"name-{wid}", recipe=parse_recipe(textwrap.dedent(recipe)), seed=7,
@@ -233,7 +238,7 @@ def test_expanded_but_unstarted_experiment_is_pending() -> None:
 def test_experiment_runs_while_tasks_run_or_some_have_ended() -> None:
     feed = Feed()
     feed.workflow("w", state="running")
-    a, b, c = feed.expand("w", "prep", 3)
+    a, b, _ = feed.expand("w", "prep", 3)
     feed.claim(a)
     assert summary(feed, "w", "prep") == counts("running", 3, pending=2, running=1)
     feed.finish(a, "succeeded")
@@ -281,7 +286,7 @@ def test_a_cancelled_task_without_failures_cancels_the_experiment() -> None:
 def test_a_cancelled_workflow_cancels_unexpanded_and_idle_experiments() -> None:
     feed = Feed()
     feed.workflow("w", state="running")
-    a, b, c = feed.expand("w", "prep", 3)
+    a, _, _ = feed.expand("w", "prep", 3)
     feed.claim(a)
     feed.finish(a, "succeeded")
     feed.state("w", "cancelled")
@@ -330,7 +335,7 @@ def test_workflow_summary_state_is_derived_until_it_is_stored_terminal() -> None
     feed = Feed()
     feed.workflow("w", SINGLE, state="pending")
     assert feed.view.workflow_summary("w")["state"] == "pending"
-    a, b, c = feed.expand("w", "e", 3)
+    a, _, _ = feed.expand("w", "e", 3)
     feed.claim(a)  # the leader has not stored "running" yet: the summary says so anyway
     assert feed.view.workflow_summary("w")["state"] == "running"
     feed.state("w", "running")
@@ -521,7 +526,9 @@ def test_task_refs_are_sorted_and_filtered() -> None:
                 TaskRef("x", "a", 0)):
         feed.put(feed.ks.task(ref), {"params": {}})
     view = feed.view
-    assert view.task_refs("w") == [TaskRef("w", "a", 5), TaskRef("w", "b", 2), TaskRef("w", "b", 10)]
+    assert view.task_refs("w") == [
+        TaskRef("w", "a", 5), TaskRef("w", "b", 2), TaskRef("w", "b", 10),
+    ]
     assert view.task_refs("w", "b") == [TaskRef("w", "b", 2), TaskRef("w", "b", 10)]
     assert view.task_refs("nope") == []
 
@@ -630,3 +637,68 @@ def test_reset_forgets_everything_but_the_namespace() -> None:
     feed.expand("w", "e", 3)
     assert view.open[("w", "e")] == {0, 1, 2}
     assert view.task_state(a) == "pending"
+
+
+# ------------------------------------------------------------------ incremental counts
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_summaries_match_a_recount_after_any_sequence_of_events(seed: int) -> None:
+    """Random claims, results, deletions, duplicate deliveries and cancel toggles: the
+    summary the view keeps incrementally equals one recounted from scratch."""
+    rng = random.Random(seed)
+    feed = Feed()
+    feed.workflow("w", SINGLE, state="running")
+    refs = feed.expand("w", "e", 3)
+    claims: set[int] = set()
+    results: dict[int, str] = {}
+    cancelled = False
+    for _ in range(300):
+        ref = rng.choice(refs)
+        roll = rng.random()
+        if roll < 0.3:
+            feed.claim(ref)
+            claims.add(ref.index)
+        elif roll < 0.5:
+            feed.delete(feed.ks.claim(ref))
+            claims.discard(ref.index)
+        elif roll < 0.7:
+            state = rng.choice(["succeeded", "failed", "cancelled"])
+            feed.put(feed.ks.result(ref), {"state": state, "attempt": 1, "exit_code": 0,
+                                           "ended_at": 1.0})
+            results[ref.index] = state
+        elif roll < 0.85:
+            feed.delete(feed.ks.result(ref))
+            results.pop(ref.index, None)
+        elif roll < 0.95:
+            feed.put(feed.ks.task(ref), {"params": {"i": ref.index}})  # redelivered
+        else:
+            cancelled = not cancelled
+            feed.state("w", "cancelled" if cancelled else "running")
+
+        states = [
+            results.get(i) or ("running" if i in claims else
+                               "cancelled" if cancelled else "pending")
+            for i in range(3)
+        ]
+        by_state = {s: states.count(s) for s in set(states)}
+        done = sum(states.count(s) for s in ("succeeded", "failed", "cancelled"))
+        if done == 3:
+            expected_state = ("failed" if "failed" in states else
+                              "cancelled" if "cancelled" in states else "succeeded")
+        else:
+            expected_state = "running" if by_state.get("running") or done else "pending"
+        assert summary(feed, "w", "e") == counts(expected_state, 3, **by_state)
+        assert feed.view.open[("w", "e")] == {i for i in range(3)
+                                              if i not in claims and i not in results}
+
+    # A fresh view loaded from the final keys (as after a compacted watch) agrees.
+    replay = Feed()
+    replay.workflow("w", SINGLE, state="cancelled" if cancelled else "running")
+    replay.expand("w", "e", 3)
+    for i in claims:
+        replay.claim(refs[i])
+    for i, state in results.items():
+        replay.put(replay.ks.result(refs[i]), {"state": state, "attempt": 1, "exit_code": 0,
+                                               "ended_at": 1.0})
+    assert summary(replay, "w", "e") == summary(feed, "w", "e")

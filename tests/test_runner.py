@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-
 from hypermesh.agent.runner import AttemptProcess, Outcome
 
 DEADLINE = 5.0  # seconds any single step below may take before the test fails

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import time
@@ -10,6 +12,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from hypermesh.etcd import Etcd
+from hypermesh.keyspace import Keyspace
 from hypermesh.localmesh import EtcdServer, wait_for
 from tests.conftest import Mesh
 
@@ -371,3 +375,97 @@ def test_agent_carries_on_after_etcd_restart(tmp_path: Path) -> None:
     finally:
         m.close()
         server.stop()
+
+
+def test_logs_follow_streams_until_the_attempt_ends(mesh: Mesh) -> None:
+    mesh.agent()
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  chatty:
+    command: ['for i in 1 2 3 4 5; do echo line $i; sleep 0.3; done']
+"""
+    )
+    wid = mesh.submit(recipe)
+    task = f"{wid}.chatty.0"
+    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["attempts"], 30, "the task to start")
+    result = mesh.hm("logs", task, "--follow", timeout=60, check=True)
+    assert [f"line {i}" for i in range(1, 6)] == [
+        ln for ln in result.stdout.splitlines() if ln.startswith("line")
+    ]
+    assert mesh.hm_json("tasks", wid)[0]["state"] == "succeeded"
+
+
+def test_unknown_objects_are_clear_errors(mesh: Mesh) -> None:
+    for args in (("status", "nope-123456"), ("tasks", "nope-123456"), ("cancel", "nope-123456")):
+        result = mesh.hm(*args)
+        assert result.returncode == 1
+        assert "no workflow 'nope-123456'" in result.stderr
+    result = mesh.hm("logs", "nope-123456.exp.0")
+    assert result.returncode == 1 and "has not run yet" in result.stderr
+    result = mesh.hm("logs", "not-a-task-id")
+    assert result.returncode == 2 and "WORKFLOW.EXPERIMENT.INDEX" in result.stderr
+    result = mesh.hm("submit", str(mesh.root / "missing.yaml"))
+    assert result.returncode == 2 and "missing.yaml" in result.stderr
+
+
+def test_set_overrides_recipe_fields(mesh: Mesh) -> None:
+    mesh.agent(slots=4)
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  sweep:
+    parameters: {lr: {range: 0.1-0.3}}
+    samples: 100
+    command: ["echo {{lr}}"]
+"""
+    )
+    result = mesh.hm(
+        "submit",
+        str(recipe),
+        "--set",
+        "sweep.samples=3",
+        "--set",
+        "sweep.parameters.lr.range=[5, 6]",
+        "--seed",
+        "7",
+        "--wait",
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    tasks = mesh.hm_json("tasks", result.stdout.split()[-1])
+    assert len(tasks) == 3 and all(5 <= t["params"]["lr"] <= 6 for t in tasks)
+    bad = mesh.hm("submit", str(recipe), "--set", "nosuch.samples=3")
+    assert bad.returncode == 2 and "nosuch" in bad.stderr
+
+
+def test_lost_lease_stops_tasks_and_rejoins(mesh: Mesh) -> None:
+    agent = mesh.agent()
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  fenced:
+    command: ['if [ "$HM_ATTEMPT" = 1 ]; then echo $$ > "$HM_ATTEMPT_DIR/pid"; exec sleep 120; fi']
+"""
+    )
+    wid = mesh.submit(recipe)
+    pid_file = agent.work_dir / "attempts" / f"{wid}.fenced.0" / "1" / "pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the task to start")
+    pid = int(pid_file.read_text())
+
+    async def revoke() -> None:
+        async with Etcd([mesh.etcd.url.split("//")[1]]) as etcd:
+            found = await etcd.get(Keyspace(mesh.namespace).node("node1"))
+            assert found is not None
+            await etcd.revoke(json.loads(found[0])["lease"])
+
+    asyncio.run(revoke())  # what the leader does to a node it believes dead
+    status = mesh.wait_state(wid, {"succeeded", "failed"})
+    assert status["state"] == "succeeded"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    (task,) = mesh.hm_json("tasks", wid)
+    assert [(a["attempt"], a["state"], a["reason"]) for a in task["attempts"]] == [
+        (1, "failed", "node-lost"),
+        (2, "succeeded", "exit"),
+    ]
+    assert [n["name"] for n in mesh.hm_json("nodes")] == ["node1"]  # re-registered
