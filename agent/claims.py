@@ -10,6 +10,7 @@ cap has a free slot key.
 from __future__ import annotations
 
 import heapq
+import random
 from dataclasses import dataclass, field
 
 from hypermesh.keyspace import TaskRef
@@ -43,8 +44,21 @@ def fits(hw: Hardware, node: NodeRecord) -> bool:
     return not (hw.memory and node.memory and hw.memory > node.memory)
 
 
-def choose_claims(view: MeshView, node: NodeRecord, load: LocalLoad, limit: int) -> list[ClaimPlan]:
-    """Up to ``limit`` tasks this node can start now, with attempt numbers and slots."""
+def choose_claims(
+    view: MeshView,
+    node: NodeRecord,
+    load: LocalLoad,
+    limit: int,
+    rng: random.Random | None = None,
+) -> list[ClaimPlan]:
+    """Up to ``limit`` tasks this node can start now, with attempt numbers and slots.
+
+    With ``rng`` and several live nodes, each node picks at random among the
+    lowest open indices (a window as wide as the nodes' combined batch), so
+    agents racing for the same experiment rarely collide on the same tasks
+    while work still drains roughly in index order.
+    """
+    spread = max(1, len(view.nodes)) if rng is not None else 1
     free = node.slots - len(load.running)
     limit = min(limit, free)
     if limit <= 0:
@@ -74,7 +88,10 @@ def choose_claims(view: MeshView, node: NodeRecord, load: LocalLoad, limit: int)
             want = limit - len(plans)
             if exp.workers is not None:
                 want = min(want, len(free_slots))
-            for index in heapq.nsmallest(want + len(load.running), open_indices):
+            window = heapq.nsmallest(want * spread + len(load.running), open_indices)
+            if rng is not None and spread > 1:
+                window = sorted(rng.sample(window, min(len(window), want + len(load.running))))
+            for index in window:
                 ref = TaskRef(wf.id, name, index)
                 if ref in load.running:
                     continue

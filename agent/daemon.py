@@ -14,6 +14,7 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass
@@ -21,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from hypermesh.agent import leader
+from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.runner import AttemptProcess, Outcome
 from hypermesh.agent.telemetry import detect_machine
 
 from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
-from hypermesh.errors import EtcdUnavailable
+from hypermesh.errors import EtcdUnavailable, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
@@ -65,6 +66,10 @@ class Agent:
         self.machine = detect_machine(cfg.gpus, cfg.gpu_type)
         self.work_dir = cfg.work_dir.resolve()
         self.lease = 0
+        self.election_lease = 0
+        self.last_renewal = time.monotonic()
+        self.drain_grace: float | None = None
+        self.rng = random.Random()
         self.address = ""
         self.state = "alive"
         self.started_at = time.time()
@@ -138,7 +143,15 @@ class Agent:
                 name="mirror",
             ),
             asyncio.create_task(self._schedule(), name="schedule"),
+            asyncio.create_task(self._campaign(), name="campaign"),
         ]
+        if self.cfg.spot:
+            self._tasks.append(
+                asyncio.create_task(
+                    spot.watch(self.cfg.spot_notice_url, self.cfg.spot_poll, self._on_spot_notice),
+                    name="spot",
+                )
+            )
         for t in self._tasks:
             t.add_done_callback(self._task_died)
         self.decide(f"started at {self.address} with lease {self.lease:x}")
@@ -151,6 +164,7 @@ class Agent:
             for t in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            await self.etcd.revoke(self.election_lease)
             await self.etcd.revoke(self.lease)
             await self._server.stop(grace=1.0)
             await self.etcd.close()
@@ -165,26 +179,62 @@ class Agent:
         )
         self.request_drain()
 
-    def request_drain(self) -> None:
+    def request_drain(self, grace: float | None = None, why: str = "drain requested") -> None:
         if not self._stop.is_set():
-            self.decide("drain requested")
+            self.drain_grace = grace
+            self.decide(why)
             self._stop.set()
+
+    def _on_spot_notice(self, notice: spot.Notice) -> None:
+        grace = spot.drain_grace(notice, time.time(), self.cfg.kill_grace)
+        self.request_drain(grace, f"spot interruption notice ({notice.action}); draining")
 
     async def wait_drained(self) -> None:
         await self._drained.wait()
 
     async def _register(self) -> None:
         self.lease = await self.etcd.grant(self.cfg.lease_ttl)
+        self.last_renewal = time.monotonic()
         await self.etcd.put(self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease)
-        await self.etcd.put(
-            self.ks.candidate(self.lease), dumps({"node": self.cfg.name}), self.lease
-        )
+
+    def lease_fresh(self) -> bool:
+        """Whether the node lease was renewed within the last TTL. After a pause
+        (SIGSTOP, a frozen VM) it is not, and etcd has likely dropped our claims."""
+        return time.monotonic() - self.last_renewal < self.cfg.lease_ttl
+
+    def _renewed(self, when: float) -> None:
+        self.last_renewal = when
 
     async def _keep_lease(self) -> None:
         while True:
-            await self.etcd.keep_lease(self.lease, self.cfg.lease_ttl, self._lease_lost.set)
+            keeper = asyncio.create_task(
+                self.etcd.keep_lease(
+                    self.lease, self.cfg.lease_ttl, self._lease_lost.set, self._renewed
+                )
+            )
+            try:
+                await self._lease_lost.wait()
+            finally:
+                keeper.cancel()
             self._wake.set()
             await self._handle_lease_lost()
+
+    async def _campaign(self) -> None:
+        """Stand for leader on a short lease of its own, and again whenever it lapses."""
+        while True:
+            try:
+                self.election_lease = await self.etcd.grant(self.cfg.leader_ttl)
+                await self.etcd.put(
+                    self.ks.candidate(self.election_lease),
+                    dumps({"node": self.cfg.name}),
+                    self.election_lease,
+                )
+            except (EtcdUnavailable, LeaseLost) as exc:
+                log.warning("%s: campaign: %s", self.cfg.name, exc)
+                await asyncio.sleep(0.5)
+                continue
+            await self.etcd.keep_lease(self.election_lease, self.cfg.leader_ttl, lambda: None)
+            self.decide(f"candidacy {self.election_lease:x} lapsed; standing again")
 
     async def _handle_lease_lost(self) -> None:
         """Our claims are gone: stop every attempt now (their results would be
@@ -218,12 +268,17 @@ class Agent:
             self._wake.clear()
             if self._stop.is_set() or self._lease_lost.is_set():
                 continue
+            if not self.lease_fresh():
+                self._lease_lost.set()
+                continue
             try:
                 if self._leader_dirty and self.is_leader:
                     self._leader_dirty = False
                     await self._lead()
                 self._stop_cancelled()
                 await self._claim()
+            except LeaseLost:
+                self._lease_lost.set()
             except EtcdUnavailable as exc:
                 log.warning("%s: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
@@ -260,7 +315,7 @@ class Agent:
     async def _claim(self) -> None:
         while not self._stop.is_set() and not self._lease_lost.is_set():
             batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
-            plans = choose_claims(self.view, self.record(), self._load(), batch)
+            plans = choose_claims(self.view, self.record(), self._load(), batch, self.rng)
             if not plans:
                 return
             revision = await claim_tasks(
@@ -324,7 +379,7 @@ class Agent:
                 grace=self.cfg.kill_grace,
             )
             if self._stop.is_set():
-                r.process.stop("preempted")
+                r.process.stop("preempted", grace=self.drain_grace)
             outcome = await r.process.run()
             await self._finish(r, exp.retries, started, outcome)
         except Exception:
@@ -352,17 +407,23 @@ class Agent:
                 final = "failed" if failures > retries else None
             else:
                 final = None  # node-lost / preempted: runs again, not counted
-        for delay in (0.1, 0.5, 1, 2, 4, 8):
+        delay = 0.1
+        while True:  # until recorded, or until the claim is surely gone
             try:
                 ok = await finish_attempt(
                     self.etcd, self.ks, ref, r.claim_revision, r.plan.slot, attempt, final
                 )
                 break
+            except LeaseLost:
+                ok = False
+                break
             except EtcdUnavailable as exc:
+                if self._lease_lost.is_set() or not self.lease_fresh():
+                    ok = False
+                    break
                 log.warning("recording %s attempt %d: %s", ref, n, exc)
                 await asyncio.sleep(delay)
-        else:
-            ok = False
+                delay = min(2 * delay, 1.0)
         if ok:
             suffix = f"; task {final}" if final else "; will run again"
             self.decide(f"{ref} attempt {n} {outcome.state} ({outcome.reason}){suffix}")
@@ -375,10 +436,11 @@ class Agent:
             await self.etcd.put(
                 self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease
             )
+        grace = self.cfg.kill_grace if self.drain_grace is None else self.drain_grace
         for r in list(self.running.values()):
             if r.process is not None:
-                r.process.stop("preempted")
-        deadline = time.monotonic() + self.cfg.kill_grace + 10
+                r.process.stop("preempted", grace=grace)
+        deadline = time.monotonic() + grace + 10
         while self.running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.decide("drained")

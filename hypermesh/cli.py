@@ -165,6 +165,20 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Seconds between SIGTERM and SIGKILL for stopped tasks [lan: 10, local: 2].",
 )
 @click.option(
+    "--leader-ttl",
+    type=int,
+    default=None,
+    help="Seconds until a silent leader is replaced [default: 2].",
+)
+@click.option(
+    "--spot-notice-url",
+    default=None,
+    help="Where --spot polls for the interruption notice [default: EC2 instance metadata].",
+)
+@click.option(
+    "--spot-poll", type=float, default=None, help="Seconds between notice polls [lan: 2]."
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -186,6 +200,9 @@ def agent_start(
     lease_ttl: int | None,
     grace: float | None,
     preset: str,
+    leader_ttl: int | None,
+    spot_notice_url: str | None,
+    spot_poll: float | None,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -210,6 +227,12 @@ def agent_start(
         overrides["lease_ttl"] = lease_ttl
     if grace is not None:
         overrides["kill_grace"] = grace
+    if leader_ttl is not None:
+        overrides["leader_ttl"] = leader_ttl
+    if spot_notice_url is not None:
+        overrides["spot_notice_url"] = spot_notice_url
+    if spot_poll is not None:
+        overrides["spot_poll"] = spot_poll
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger().setLevel(logging.INFO)
     try:

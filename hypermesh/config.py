@@ -19,6 +19,7 @@ from hypermesh.keyspace import NODE_NAME_RE
 ENV_ETCD = "HYPERMESH_ETCD"
 ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
 DEFAULT_NAMESPACE = "default"
+SPOT_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,22 @@ class AgentConfig:
     """Seconds a task has between SIGTERM and SIGKILL when cancelled, timed out or
     drained (0-3600)."""
 
+    leader_ttl: int = 2
+    """Seconds after which a silent leader's candidacy expires and the next agent
+    leads (2-60; etcd's smallest lease is about 2 s). Leadership sits on its own
+    short lease, apart from the node lease, so a dead leader is replaced within
+    seconds while a node's claims survive short etcd hiccups. Every leader action
+    is a guarded, idempotent transaction, so two agents that briefly both believe
+    they lead cannot break an invariant."""
+
+    spot_notice_url: str = SPOT_NOTICE_URL
+    """Where a ``--spot`` agent polls for the cloud's interruption notice (EC2's
+    instance metadata by default; tests point it at a local server)."""
+
+    spot_poll: float = 2.0
+    """Seconds between polls of the interruption notice (0.1-60). EC2 gives two
+    minutes' notice, so a few seconds of polling delay costs little."""
+
     claim_batch: int = 32
     """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
     fewer round trips when many tasks are pending, but conflict more often when
@@ -71,6 +88,8 @@ class AgentConfig:
         _check_range("--lease-ttl", self.lease_ttl, 2, 3600)
         _check_range("--grace", self.kill_grace, 0, 3600)
         _check_range("claim_batch", self.claim_batch, 1, 100)
+        _check_range("--leader-ttl", self.leader_ttl, 2, 60)
+        _check_range("--spot-poll", self.spot_poll, 0.1, 60)
         if self.gpus is not None:
             _check_range("--gpus", self.gpus, 0, 1024)
         host, sep, port = self.listen.rpartition(":")
@@ -85,7 +104,7 @@ class AgentConfig:
     @classmethod
     def local(cls, **overrides: object) -> AgentConfig:
         """Tight timings for tests and the local mesh: fast death detection and kills."""
-        base: dict[str, object] = {"lease_ttl": 3, "kill_grace": 2.0}
+        base: dict[str, object] = {"lease_ttl": 3, "kill_grace": 2.0, "spot_poll": 0.2}
         return cls(**(base | overrides))  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> AgentConfig:

@@ -83,7 +83,14 @@ class Etcd:
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
         try:
             return await coro
-        except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as exc:
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (
+                exc.details() or ""
+            ):
+                raise LeaseLost(f"etcd {what}: the lease is gone") from exc
+            where = ",".join(self.endpoints)
+            raise EtcdUnavailable(f"etcd {what} failed at {where}: {exc}") from exc
+        except (EtcdError, TimeoutError) as exc:
             raise EtcdUnavailable(
                 f"etcd {what} failed at {','.join(self.endpoints)}: {exc}"
             ) from exc
@@ -174,12 +181,14 @@ class Etcd:
         lease: int,
         ttl: int,
         on_lost: Callable[[], None],
+        on_renewed: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """Renew ``lease`` every ttl/3 s until cancelled; call ``on_lost`` once when it is gone.
+        """Renew ``lease`` every ttl/3 s; call ``on_lost`` and return once it is gone.
 
         The lease counts as gone when etcd says so, or when no renewal has
         succeeded for a whole TTL (etcd will have expired it by then).
+        ``on_renewed(when)`` is told the clock time of every successful renewal.
         """
         last_ok = clock()
         while True:
@@ -196,6 +205,8 @@ class Etcd:
                 on_lost()
                 return
             last_ok = clock()
+            if on_renewed is not None:
+                on_renewed(last_ok)
 
     # ------------------------------------------------------------------ watching
     async def mirror(

@@ -19,6 +19,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import psutil
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -282,11 +284,27 @@ class AgentProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL: the machine died (no drain, no lease revoke)."""
+        """SIGKILL the agent alone (no drain, no lease revoke); its tasks live on."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+    def crash(self) -> None:
+        """SIGKILL the agent and every process it started, as if its machine vanished."""
+        if self.proc is None:
+            return
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        self.kill()
+        for proc in descendants:
+            # Tasks run in their own sessions; their children are found again here.
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for p in [proc, *proc.children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        p.kill()
 
 
 def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

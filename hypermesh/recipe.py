@@ -4,28 +4,36 @@
 that lists every problem in the file, each with its 1-based line and dotted field path
 (``experiments.mnist.parameters.lr.range``); nothing partial is ever returned.
 
-The pipeline: ``yaml.compose`` gives nodes with line marks; ``_Reader`` turns them into
-``_Node``s (plain values plus lines), reporting duplicate keys on the way; ``--set``
-overrides are written into that tree (``_apply_override``), so an overridden value is
-checked like any other; ``_Checker`` validates the tree into dataclasses, collecting every
-problem. ``Recipe.to_json``/``from_json`` store a validated recipe losslessly (in etcd).
+The pipeline: ``hypermesh.recipe_yaml`` reads the text into a tree of located nodes (plain
+values plus lines), reporting duplicate keys on the way, and writes ``--set`` overrides into
+that tree, so an overridden value is checked like any other; ``_Checker`` (here) validates
+the tree into dataclasses, collecting every problem. ``Recipe.to_json``/``from_json`` store
+a validated recipe losslessly (in etcd).
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from hypermesh.errors import NotFound, Problem, RecipeError
+from hypermesh.recipe_yaml import (
+    _NUMBER,
+    _apply_override,
+    _as_float,
+    _describe,
+    _Entry,
+    _Node,
+    _NodeChecker,
+    _read_document,
+    _suggest,
+)
 from hypermesh.templating import BUILTINS, PARAM_ENV_PREFIX, format_value, placeholder_problems
-from hypermesh.units import UnitError, parse_duration, parse_size
+from hypermesh.units import UnitError, parse_size
 
 __all__ = [
     "Experiment",
@@ -215,119 +223,10 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-# --------------------------------------------------------------------------- located YAML
-
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-_MAX_NODES = 1_000_000
-
-
-@dataclass(frozen=True)
-class _Node:
-    """A YAML node reduced to plain data and where it came from.
-
-    ``value`` is a ``dict[str, _Entry]``, a ``list[_Node]`` or a scalar; ``origin`` is the
-    ``--set`` override a node came from (its ``line`` is then None).
-    """
-
-    value: Any
-    line: int | None
-    origin: str | None = None
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """A mapping entry: the line of its key and its value."""
-
-    key_line: int | None
-    node: _Node
-
-
-class _TooLarge(Exception):
-    """Aliases expand the document beyond ``_MAX_NODES`` nodes."""
-
-
-_Report = Callable[[int | None, str, str], None]
-
-
-class _Reader:
-    """Turns a composed YAML node graph into ``_Node``s, reporting duplicate keys, bad keys,
-    recursive aliases and unknown tags through ``report``; it never raises for those."""
-
-    def __init__(self, report: _Report, origin: str | None = None) -> None:
-        self._constructor = yaml.SafeLoader("")
-        self._report = report
-        self._origin = origin
-        self._active: set[int] = set()
-        self._count = 0
-
-    def _line(self, node: yaml.Node) -> int | None:
-        return None if self._origin else node.start_mark.line + 1
-
-    def read(self, node: yaml.Node, path: str) -> _Node:
-        line = self._line(node)
-        self._count += 1
-        if self._count > _MAX_NODES:
-            raise _TooLarge
-        if id(node) in self._active:
-            self._report(line, path, "an alias refers to the node that contains it")
-            return _Node(None, line, self._origin)
-        if isinstance(node, yaml.ScalarNode):
-            return _Node(self._scalar(node, path, line), line, self._origin)
-        self._active.add(id(node))
-        try:
-            if isinstance(node, yaml.SequenceNode):
-                items = [self.read(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
-                return _Node(items, line, self._origin)
-            assert isinstance(node, yaml.MappingNode)
-            return _Node(self._mapping(node, path), line, self._origin)
-        finally:
-            self._active.discard(id(node))
-
-    def _scalar(self, node: yaml.ScalarNode, path: str, line: int | None) -> Any:
-        try:
-            value = self._constructor.construct_object(node)
-        except yaml.YAMLError as exc:
-            self._report(line, path, f"cannot read value: {getattr(exc, 'problem', exc)}")
-            return None
-        if value is None or isinstance(value, (str, int, float, bool)):
-            return value
-        return node.value  # timestamps and the like: keep the text as written
-
-    def _mapping(self, node: yaml.MappingNode, path: str) -> dict[str, _Entry]:
-        merged: dict[str, _Entry] = {}
-        explicit: dict[str, _Entry] = {}
-        for key_node, value_node in node.value:
-            key_line = self._line(key_node)
-            if key_node.tag == _MERGE_TAG:
-                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [
-                    value_node
-                ]
-                for source in sources:
-                    sub = self.read(source, path)
-                    if not isinstance(sub.value, dict):
-                        self._report(key_line, path, "'<<' can only merge mappings")
-                        continue
-                    for key, entry in sub.value.items():
-                        merged.setdefault(key, entry)
-                continue
-            if not isinstance(key_node, yaml.ScalarNode):
-                self._report(key_line, path, "mapping keys must be plain strings")
-                continue
-            key = key_node.value
-            sub_path = f"{path}.{key}" if path else key
-            if key in explicit:
-                first = explicit[key].key_line
-                self._report(key_line, sub_path, f"duplicate key {key!r} (first at line {first})")
-                continue
-            explicit[key] = _Entry(key_line, self.read(value_node, sub_path))
-        return {**merged, **explicit}
-
-
 # --------------------------------------------------------------------------- the format
 
 _EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
 
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
@@ -339,33 +238,7 @@ _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory")
 
 
-def _suggest(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    if value is None:
-        return "nothing (null)"
-    return f"{value!r}"
-
-
-def _as_float(value: Any) -> float | None:
-    """``value`` as a finite float if it is a number or a numeric string ("1e-4"), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str) and re.fullmatch(rf"\s*{_NUMBER}\s*", value):
-        value = float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
-
-
-class _Checker:
+class _Checker(_NodeChecker):
     """Validates a ``_Node`` tree into a ``Recipe`` while collecting every problem it finds.
 
     Methods return None for a value they rejected (after recording why) and never raise;
@@ -373,59 +246,10 @@ class _Checker:
     """
 
     def __init__(self, source: str) -> None:
-        self.source = source
-        self.problems: list[Problem] = []
+        super().__init__(source)
         self._after: dict[str, tuple[int | None, list[tuple[str, _Node, str]]]] = {}
 
-    def report(self, line: int | None, path: str, message: str) -> None:
-        self.problems.append(Problem(self.source, line, path, message))
-
-    def at(self, node: _Node, path: str, message: str) -> None:
-        if node.origin:
-            message += f" (set by --set {node.origin})"
-        self.report(node.line, path, message)
-
-    # ------------------------------------------------------------------ shapes
-    def mapping(self, node: _Node, path: str, what: str = "a mapping") -> dict[str, _Entry] | None:
-        if isinstance(node.value, dict):
-            return node.value
-        self.at(node, path, f"expected {what}, got {_describe(node.value)}")
-        return None
-
-    def known_fields(self, entries: dict[str, _Entry], allowed: Sequence[str], path: str) -> None:
-        for key, entry in entries.items():
-            if key not in allowed:
-                where = f"{path}.{key}" if path else key
-                hint = _suggest(key, allowed)
-                self.report(entry.key_line, where, f"unknown field {key!r}{hint}")
-
-    def string(self, node: _Node, path: str) -> str | None:
-        if isinstance(node.value, str) and node.value.strip():
-            return node.value
-        self.at(node, path, f"expected a non-empty string, got {_describe(node.value)}")
-        return None
-
-    def integer(self, node: _Node, path: str, minimum: int | None = None) -> int | None:
-        value = node.value
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.at(node, path, f"expected an integer, got {_describe(value)}")
-            return None
-        if minimum is not None and value < minimum:
-            self.at(node, path, f"must be at least {minimum}, got {value}")
-            return None
-        return value
-
-    def number(self, node: _Node, path: str, minimum: float, inclusive: bool) -> float | None:
-        value = _as_float(node.value)
-        if value is None:
-            self.at(node, path, f"expected a number, got {_describe(node.value)}")
-            return None
-        if value < minimum or (value == minimum and not inclusive):
-            bound = f"at least {minimum:g}" if inclusive else f"greater than {minimum:g}"
-            self.at(node, path, f"must be {bound}, got {node.value!r}")
-            return None
-        return value
-
+    # ------------------------------------------------------------------ environment
     def env(self, entry: _Entry | None, path: str) -> dict[str, str]:
         if entry is None or entry.node.value is None:
             return {}
@@ -508,19 +332,6 @@ class _Checker:
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed,
         )
-
-    def duration(self, node: _Node, path: str) -> float | None:
-        try:
-            if isinstance(node.value, (str, int, float)):
-                seconds = parse_duration(node.value)
-                if seconds > 0:
-                    return seconds
-                self.at(node, path, f"must be longer than 0 seconds, got {node.value!r}")
-                return None
-            self.at(node, path, f"expected a duration such as '30m', got {_describe(node.value)}")
-        except UnitError as exc:
-            self.at(node, path, str(exc))
-        return None
 
     # ------------------------------------------------------------------ command
     def command(
@@ -746,76 +557,15 @@ def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
 
 # --------------------------------------------------------------------------- entry points
 
-def _apply_override(root: _Node, text: str, checker: _Checker) -> None:
-    """Apply one ``EXP.FIELD[.SUB...]=VALUE`` to ``root``, or report why it cannot be."""
-    key, equals, raw = text.partition("=")
-    key = key.strip()
-    where = f"--set {key}"
-    parts = key.split(".")
-    if not equals or len(parts) < 2 or not all(parts):
-        checker.report(None, where, f"expected EXP.FIELD=VALUE, got {text!r}")
-        return
-    reader = _Reader(lambda _line, _path, message: checker.report(None, where, message), key)
-    try:
-        document = yaml.compose(raw, Loader=yaml.SafeLoader)
-        value = reader.read(document, where) if document is not None else _Node(None, None, key)
-    except yaml.YAMLError as exc:
-        checker.report(None, where, f"cannot parse value {raw!r}: {getattr(exc, 'problem', exc)}")
-        return
-    except _TooLarge:
-        checker.report(None, where, f"the value expands beyond {_MAX_NODES} nodes")
-        return
-    top = root.value if isinstance(root.value, dict) else {}
-    experiments = top.get("experiments")
-    table = experiments.node.value if experiments is not None else None
-    if not isinstance(table, dict) or parts[0] not in table:
-        names = list(table) if isinstance(table, dict) else []
-        checker.report(None, where, f"unknown experiment {parts[0]!r}{_suggest(parts[0], names)}")
-        return
-    node = table[parts[0]].node
-    for depth, part in enumerate(parts[1:-1], start=1):
-        if not isinstance(node.value, dict):
-            break
-        child = node.value.get(part)
-        if child is None or child.node.value is None:
-            child = _Entry(None, _Node({}, None, key))
-            node.value[part] = child
-        node = child.node
-        if not isinstance(node.value, dict):
-            checker.report(None, where, f"{'.'.join(parts[: depth + 1])!r} is not a mapping")
-            return
-    if not isinstance(node.value, dict):
-        checker.report(None, where, f"experiment {parts[0]!r} is not a mapping")
-        return
-    old = node.value.get(parts[-1])
-    node.value[parts[-1]] = _Entry(old.key_line if old else None, value)
-
-
 def parse_recipe(text: str, source: str = "<recipe>", overrides: Sequence[str] = ()) -> Recipe:
     """The validated recipe in ``text``, with ``overrides`` applied; raises ``RecipeError``
     listing every problem otherwise. ``source`` names the text in problems (a path)."""
     checker = _Checker(source)
-    try:
-        document = yaml.compose(text, Loader=yaml.SafeLoader)
-        root = (
-            _Reader(checker.report).read(document, "")
-            if document is not None
-            else _Node(None, 1)
-        )
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        message = "; ".join(m for m in (exc.context, exc.problem) if m)
-        line = mark.line + 1 if mark is not None else None
-        raise RecipeError([Problem(source, line, "", f"YAML syntax error: {message}")]) from None
-    except yaml.YAMLError as exc:
-        raise RecipeError([Problem(source, None, "", f"cannot read YAML: {exc}")]) from None
-    except _TooLarge:
-        message = f"aliases expand the recipe beyond {_MAX_NODES} nodes"
-        raise RecipeError([Problem(source, None, "", message)]) from None
+    root = _read_document(text, source, checker.report)
     if root.value is None:
         checker.report(1, "", "the recipe is empty; it needs an 'experiments' mapping")
     for override in overrides:
-        _apply_override(root, override, checker)
+        _apply_override(root, override, checker.report)
     recipe = checker.recipe(root) if root.value is not None else None
     if recipe is None or checker.problems:
         raise RecipeError(checker.problems or [Problem(source, None, "", "invalid recipe")])

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Chaos: kill random agents (the leader included) while a workflow runs, then check
+that every task succeeded exactly once and none is stuck.
+
+    chaos.py [--agents 4] [--tasks 2000] [--task-seconds 0.05] [--kill-every 3] [--ttl 3]
+
+Every ``--kill-every`` seconds a random agent is crashed (SIGKILL of the agent and
+all its processes, as if its machine vanished) and started again under the same
+name. Killing stops when the workflow is done or after ``--max-kills``. The
+verdict comes from ``hypermesh tasks --json``; exit 0 only if every task has
+exactly one successful attempt and the workflow succeeded within ``--deadline``.
+Everything runs on 127.0.0.1 and is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hypermesh.localmesh import LocalMesh, hypermesh_command
+
+
+def cli(env: dict[str, str], *args: str, timeout: float = 60) -> Any:
+    out = subprocess.run(
+        [*hypermesh_command(), *args, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(opts.seed)
+    root = Path(tempfile.mkdtemp(prefix="hm-chaos-"))
+    mesh = LocalMesh(
+        root,
+        agents=opts.agents,
+        slots=opts.slots,
+        fsync=False,
+        agent_args=["--lease-ttl", str(opts.ttl)],
+    )
+    mesh.start()
+    try:
+        env = dict(os.environ, **mesh.env())
+        recipe = root / "chaos.yaml"
+        recipe.write_text(
+            "name: chaos\nexperiments:\n  work:\n"
+            f"    samples: {opts.tasks}\n"
+            f"    command: ['sleep {opts.task_seconds}']\n"
+        )
+        submitted = subprocess.run(
+            [*hypermesh_command(), "submit", str(recipe)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        wid = submitted.stdout.split()[-1]
+        started = time.monotonic()
+        kills: list[dict[str, Any]] = []
+        next_kill = started + opts.kill_every
+        state = "running"
+        while time.monotonic() - started < opts.deadline:
+            status = cli(env, "status", wid)
+            state = status["state"]
+            exp = status["experiments"]["work"]
+            if state in ("succeeded", "failed", "cancelled"):
+                break
+            now = time.monotonic()
+            if now >= next_kill and len(kills) < opts.max_kills:
+                leader = next((n["name"] for n in cli(env, "nodes") if n["leader"]), None)
+                victim = rng.choice(mesh.agents)
+                victim.crash()
+                kills.append(
+                    {
+                        "at": round(now - started, 2),
+                        "node": victim.name,
+                        "leader": victim.name == leader,
+                        "done": exp["succeeded"],
+                    }
+                )
+                print(
+                    f"[{now - started:6.1f}s] killed {victim.name}"
+                    f"{' (leader)' if victim.name == leader else ''}; "
+                    f"{exp['succeeded']}/{exp['total']} done",
+                    file=sys.stderr,
+                )
+                victim.start()
+                next_kill = now + opts.kill_every
+            time.sleep(0.5)
+        elapsed = time.monotonic() - started
+        tasks = cli(env, "tasks", wid, timeout=120)
+        once = sum(1 for t in tasks if sum(a["state"] == "succeeded" for a in t["attempts"]) == 1)
+        doubled = [
+            t["id"] for t in tasks if sum(a["state"] == "succeeded" for a in t["attempts"]) > 1
+        ]
+        stuck = [t["id"] for t in tasks if t["state"] != "succeeded"]
+        lost = sum(1 for t in tasks for a in t["attempts"] if a["reason"] == "node-lost")
+        return {
+            "workflow": wid,
+            "state": state,
+            "seconds": round(elapsed, 1),
+            "tasks": opts.tasks,
+            "succeeded_once": once,
+            "succeeded_twice": doubled,
+            "not_succeeded": stuck[:20],
+            "not_succeeded_count": len(stuck),
+            "node_lost_attempts": lost,
+            "kills": kills,
+            "leader_kills": sum(k["leader"] for k in kills),
+            "ok": state == "succeeded" and once == opts.tasks and not doubled and not stuck,
+        }
+    finally:
+        mesh.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--task-seconds", type=float, default=0.05)
+    parser.add_argument("--kill-every", type=float, default=3.0)
+    parser.add_argument("--max-kills", type=int, default=1000)
+    parser.add_argument("--ttl", type=int, default=3, help="agents' lease TTL, seconds")
+    parser.add_argument("--deadline", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=None)
+    opts = parser.parse_args()
+    print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
+    report = run(opts)
+    print(json.dumps(report, indent=2))
+    print(
+        f"chaos: {'OK' if report['ok'] else 'FAILED'}: {report['succeeded_once']}/{opts.tasks} "
+        f"tasks succeeded exactly once in {report['seconds']}s with {len(report['kills'])} kills "
+        f"({report['leader_kills']} of the leader)",
+        file=sys.stderr,
+    )
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Many agents, one workflow: deaths, a leader's death, pauses, spot notices, etcd trouble.
+
+Real etcd, real agent processes; a "machine death" is SIGKILL of the agent and of
+every process it started, with no drain and no lease revoke.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hypermesh.localmesh import EtcdCluster, wait_for
+from tests.conftest import Mesh
+
+
+def successes(task: dict) -> int:
+    return sum(1 for a in task["attempts"] if a["state"] == "succeeded")
+
+
+def test_three_agents_survive_the_death_of_one(mesh: Mesh) -> None:
+    for name in ("node1", "node2", "node3"):
+        mesh.agent(name, slots=2)
+    recipe = mesh.write_recipe(
+        "experiments:\n  work:\n    samples: 12\n    command: ['sleep 1.5']\n"
+    )
+    wid = mesh.submit(recipe)
+
+    def busy_node() -> str | None:
+        running = [t["node"] for t in mesh.hm_json("tasks", wid) if t["state"] == "running"]
+        return running[0] if running else None
+
+    victim = wait_for(busy_node, 30, "a running task")
+    held = {
+        t["id"]
+        for t in mesh.hm_json("tasks", wid)
+        if t["node"] == victim and t["state"] == "running"
+    }
+    mesh.agents[victim].crash()  # type: ignore[index]
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded"
+    tasks = {t["id"]: t for t in mesh.hm_json("tasks", wid)}
+    assert all(successes(t) == 1 for t in tasks.values())
+    for task_id in held:
+        first, *rest = tasks[task_id]["attempts"]
+        assert (first["node"], first["state"], first["reason"]) == (victim, "failed", "node-lost")
+        assert rest and rest[-1]["node"] != victim and rest[-1]["state"] == "succeeded"
+
+
+def test_a_new_leader_takes_over(mesh: Mesh) -> None:
+    mesh.agent("node1", slots=2)
+    mesh.agent("node2", slots=2)
+    leader = next(n["name"] for n in mesh.hm_json("nodes") if n["leader"])
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  first:
+    samples: 2
+    command: ['sleep 1']
+  second:
+    after: [first]
+    samples: 2
+    command: ['true']
+"""
+    )
+    wid = mesh.submit(recipe)
+    wait_for(
+        lambda: any(t["state"] == "running" for t in mesh.hm_json("tasks", wid)), 30, "first to run"
+    )
+    mesh.agents[leader].crash()
+    survivor = "node2" if leader == "node1" else "node1"
+    wait_for(
+        lambda: [n["name"] for n in mesh.hm_json("nodes") if n["leader"]] == [survivor],
+        15,
+        "the survivor to lead",
+    )
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+    assert status["state"] == "succeeded"  # the second experiment was expanded by the new leader
+    again = mesh.hm("submit", str(recipe), "--wait", timeout=60)
+    assert again.returncode == 0, again.stderr
+
+
+def test_paused_agent_loses_its_claim_and_its_processes(mesh: Mesh) -> None:
+    paused = mesh.agent("node1")
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  one:
+    command: ['if [ "$HM_NODE" = node1 ]; then echo $$ > "$HM_ATTEMPT_DIR/pid"; exec sleep 60; fi']
+"""
+    )
+    wid = mesh.submit(recipe)
+    pid_file = paused.work_dir / "attempts" / f"{wid}.one.0" / "1" / "pid"
+    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the task to start")
+    pid = int(pid_file.read_text())
+    assert paused.proc is not None
+    os.kill(paused.proc.pid, signal.SIGSTOP)  # the node freezes past its 3 s lease
+    try:
+        mesh.agent("node2")
+        status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+        assert status["state"] == "succeeded"
+    finally:
+        os.kill(paused.proc.pid, signal.SIGCONT)
+    # Back from the pause, node1 finds its lease gone and kills its orphaned process...
+    wait_for(
+        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        15,
+        "the orphaned process to be killed",
+    )
+    # ...its late result is rejected, and it rejoins the mesh.
+    wait_for(lambda: "result rejected" in paused.log_tail(20000), 15, "the rejection")
+    wait_for(lambda: {n["name"] for n in mesh.hm_json("nodes")} == {"node1", "node2"}, 15, "rejoin")
+    (task,) = mesh.hm_json("tasks", wid)
+    assert successes(task) == 1
+    assert [(a["node"], a["reason"]) for a in task["attempts"]] == [
+        ("node1", "node-lost"),
+        ("node2", "exit"),
+    ]
+
+
+class _Metadata(http.server.BaseHTTPRequestHandler):
+    notice: bytes | None = None
+
+    def do_PUT(self) -> None:  # an IMDSv2 token
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"token")
+
+    def do_GET(self) -> None:
+        if self.path.endswith("spot/instance-action") and self.notice is not None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(self.notice)
+        else:
+            self.send_response(404)
+            self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def metadata() -> Iterator[tuple[str, type[_Metadata]]]:
+    handler = type("Handler", (_Metadata,), {"notice": None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield (
+            f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action",
+            handler,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_spot_notice_drains_and_work_moves_at_once(
+    mesh: Mesh, metadata: tuple[str, type[_Metadata]]
+) -> None:
+    url, handler = metadata
+    spot = mesh.agent(
+        "spot1", extra=("--spot", "--spot-notice-url", url, "--lease-ttl", "30", "--grace", "1")
+    )
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  move:
+    command: ['if [ "$HM_NODE" = spot1 ]; then exec sleep 120; fi; echo moved']
+"""
+    )
+    wid = mesh.submit(recipe)
+    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "the task to run")
+    mesh.agent("ondemand1")
+    deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+    handler.notice = json.dumps({"action": "terminate", "time": deadline}).encode()
+    noticed = time.time()
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=30)
+    assert status["state"] == "succeeded"
+    (task,) = mesh.hm_json("tasks", wid)
+    first, second = task["attempts"]
+    assert (first["node"], first["reason"]) == ("spot1", "preempted")
+    assert second["node"] == "ondemand1"
+    # Released at once: far sooner than the spot node's 30 s lease would have expired.
+    assert second["started_at"] - noticed < 10
+    assert spot.terminate(timeout=30) == 0  # it had already drained and exited
+
+
+def test_etcd_cluster_loses_a_member_and_no_task_fails(tmp_path: Path) -> None:
+    cluster = EtcdCluster(tmp_path / "etcd", size=3).start()
+    mesh = Mesh(cluster, tmp_path)  # type: ignore[arg-type]
+    try:
+        mesh.agent("node1", slots=3)
+        mesh.agent("node2", slots=3)
+        recipe = mesh.write_recipe(
+            "experiments:\n  steady:\n    samples: 30\n    command: ['sleep 0.3']\n"
+        )
+        wid = mesh.submit(recipe)
+        wait_for(
+            lambda: mesh.hm_json("status", wid)["experiments"]["steady"]["succeeded"] >= 5,
+            30,
+            "some progress",
+        )
+        cluster.members[0].stop()
+        status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+        assert status["state"] == "succeeded"
+        tasks = mesh.hm_json("tasks", wid)
+        assert all(successes(t) == 1 for t in tasks)
+        assert not any(a["state"] == "failed" for t in tasks for a in t["attempts"])
+    finally:
+        mesh.close()
+        cluster.stop()
