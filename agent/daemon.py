@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
-from hypermesh.agent.runner import AttemptProcess, Outcome
+from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.telemetry import detect_machine
 
 from hypermesh._proto import agent_pb2_grpc
@@ -37,9 +37,10 @@ from hypermesh.sampling import expand, experiment_seed
 from hypermesh.templating import param_env, render
 from hypermesh.txns import (
     ClaimPlan,
+    Finish,
     claim_tasks,
     expand_experiment,
-    finish_attempt,
+    finish_attempts,
     set_workflow_state,
 )
 
@@ -70,6 +71,13 @@ class Agent:
         self.last_renewal = time.monotonic()
         self.drain_grace: float | None = None
         self.rng = random.Random()
+        # Read-your-writes: the newest revision this node wrote. Claims wait until
+        # the mirrored view has caught up with it, so a task this node just
+        # finished is never mistaken for an open one.
+        self.written_revision = 0
+        self.base_env = dict(os.environ)
+        self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
         self.address = ""
         self.state = "alive"
         self.started_at = time.time()
@@ -116,6 +124,7 @@ class Agent:
         from hypermesh.agent.server import AgentServicer
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        use_pidfd_child_watcher()
         await self.etcd.connect()
         self._server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
@@ -315,6 +324,8 @@ class Agent:
     async def _claim(self) -> None:
         while not self._stop.is_set() and not self._lease_lost.is_set():
             batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
+            if self.view.revision < self.written_revision:
+                return  # the watch will bring our own writes and wake us
             plans = choose_claims(self.view, self.record(), self._load(), batch, self.rng)
             if not plans:
                 return
@@ -324,6 +335,7 @@ class Agent:
             if revision is None:
                 # Someone else got there first; the watch will bring the change.
                 return
+            self.written_revision = max(self.written_revision, revision)
             for plan in plans:
                 exp = self.view.workflows[plan.ref.workflow].recipe.experiment(plan.ref.experiment)
                 r = Running(plan, revision, exp.hardware.gpus)
@@ -340,7 +352,7 @@ class Agent:
     def _environment(self, ref: TaskRef, attempt: int, params: dict[str, Any]) -> dict[str, str]:
         wf = self.view.workflows[ref.workflow]
         exp = wf.recipe.experiment(ref.experiment)
-        env = dict(os.environ)
+        env = dict(self.base_env)
         env.update({k: str(v) for k, v in dict(wf.recipe.env).items()})
         env.update({k: str(v) for k, v in dict(exp.env).items()})
         env.update(param_env(params))
@@ -410,9 +422,12 @@ class Agent:
         delay = 0.1
         while True:  # until recorded, or until the claim is surely gone
             try:
-                ok = await finish_attempt(
-                    self.etcd, self.ks, ref, r.claim_revision, r.plan.slot, attempt, final
+                written = await self._record(
+                    Finish(ref, r.claim_revision, r.plan.slot, attempt, final)
                 )
+                ok = written is not None
+                if written is not None:
+                    self.written_revision = max(self.written_revision, written)
                 break
             except LeaseLost:
                 ok = False
@@ -429,6 +444,34 @@ class Agent:
             self.decide(f"{ref} attempt {n} {outcome.state} ({outcome.reason}){suffix}")
         else:
             self.decide(f"{ref} attempt {n} result rejected: claim no longer ours")
+
+    async def _record(self, item: Finish) -> int | None:
+        """Record an attempt's end; ends that arrive together share one transaction."""
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self._finishing.append((item, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_finishes())
+        return await future
+
+    async def _flush_finishes(self) -> None:
+        await asyncio.sleep(0)  # let attempts that end in the same loop turn join
+        per_txn = 100 // Finish.OPS
+        while self._finishing:
+            batch = self._finishing[:per_txn]
+            del self._finishing[:per_txn]
+            try:
+                revision = await finish_attempts(self.etcd, self.ks, [item for item, _ in batch])
+                if revision is None and len(batch) > 1:
+                    # One fence failed (a claim was lost): record the others alone.
+                    for item, future in batch:
+                        future.set_result(await finish_attempts(self.etcd, self.ks, [item]))
+                    continue
+                for _, future in batch:
+                    future.set_result(revision)
+            except Exception as exc:  # every waiter sees the failure and retries
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
 
     async def _drain(self) -> None:
         self.state = "draining"

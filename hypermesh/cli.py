@@ -307,7 +307,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
     def on_batch(revision: int) -> None:
         changed.set()
 
-    mirror = asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch))
+    # Only the keys that progress depends on: not attempts, slots or other workflows.
+    prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
+        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result")
+    ]
+    mirrors = [asyncio.create_task(etcd.mirror(p, view.apply, on_batch)) for p in prefixes]
     display = ProgressDisplay(wid)
     try:
         while True:
@@ -322,7 +326,8 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
                 return str(summary["state"])
             await asyncio.sleep(0.1)
     finally:
-        mirror.cancel()
+        for mirror in mirrors:
+            mirror.cancel()
         display.close(None)
 
 

@@ -161,6 +161,52 @@ async def claim_tasks(
     return done.revision if done.succeeded else None
 
 
+@dataclass(frozen=True)
+class Finish:
+    """An attempt's end to record: the task, the claim revision that fences the
+    write, the slot to free, the attempt record, and the result (if final)."""
+
+    ref: TaskRef
+    claim_revision: int
+    slot: int | None
+    attempt: Attempt
+    final_state: str | None
+
+    OPS = 4  # most operations one finish adds to a transaction
+
+
+async def finish_attempts(etcd: Etcd, ks: Keyspace, items: Sequence[Finish]) -> int | None:
+    """Record several attempts' ends in one transaction (see ``finish_attempt``).
+
+    All or nothing: if any claim is no longer the attempt's, nothing is written
+    and None is returned; the caller then records the items one by one.
+    """
+    compare: list[Any] = []
+    ops: list[Any] = []
+    for f in items:
+        ref, attempt = f.ref, f.attempt
+        ops += [
+            etcd.op_put(ks.attempt(ref, attempt.attempt), dumps(attempt.to_json())),
+            etcd.op_delete(ks.claim(ref)),
+        ]
+        if f.slot is not None:
+            ops.append(etcd.op_delete(ks.slot(ref.workflow, ref.experiment, f.slot)))
+        if f.final_state is not None:
+            result = {
+                "state": f.final_state,
+                "attempt": attempt.attempt,
+                "exit_code": attempt.exit_code,
+                "ended_at": attempt.ended_at or time.time(),
+            }
+            ops.append(etcd.op_put(ks.result(ref), dumps(result)))
+        compare += [
+            etcd.mod_revision_is(ks.claim(ref), f.claim_revision),
+            etcd.absent(ks.result(ref)),
+        ]
+    done = await etcd.txn(compare, ops)
+    return done.revision if done.succeeded else None
+
+
 async def finish_attempt(
     etcd: Etcd,
     ks: Keyspace,
@@ -169,28 +215,13 @@ async def finish_attempt(
     slot: int | None,
     attempt: Attempt,
     final_state: str | None,
-) -> bool:
+) -> int | None:
     """Record an attempt's end, release its claim, and (if final) the task's result.
 
     Fenced: succeeds only while the claim is the one this attempt made. Returns
-    False when the claim was lost (the node's lease expired, or it was revoked),
-    in which case nothing is written.
+    the revision of the write, or None when the claim was lost (the node's lease
+    expired, or it was revoked), in which case nothing is written.
     """
-    ops = [
-        etcd.op_put(ks.attempt(ref, attempt.attempt), dumps(attempt.to_json())),
-        etcd.op_delete(ks.claim(ref)),
-    ]
-    if slot is not None:
-        ops.append(etcd.op_delete(ks.slot(ref.workflow, ref.experiment, slot)))
-    if final_state is not None:
-        result = {
-            "state": final_state,
-            "attempt": attempt.attempt,
-            "exit_code": attempt.exit_code,
-            "ended_at": attempt.ended_at or time.time(),
-        }
-        ops.append(etcd.op_put(ks.result(ref), dumps(result)))
-    done = await etcd.txn(
-        [etcd.mod_revision_is(ks.claim(ref), claim_revision), etcd.absent(ks.result(ref))], ops
+    return await finish_attempts(
+        etcd, ks, [Finish(ref, claim_revision, slot, attempt, final_state)]
     )
-    return done.succeeded

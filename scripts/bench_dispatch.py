@@ -159,23 +159,28 @@ def agent_span(rows: list[dict[str, Any]], tasks: int) -> float:
     return last - first
 
 
-def run_mesh_round(tasks: int, slots: int, fsync: bool) -> MeshRound:
+def run_mesh_round(tasks: int, slots: int, fsync: bool, agents: int = 1) -> MeshRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-dispatch-") as tmp:
         root = Path(tmp)
         recipe = root / "dispatch.yaml"
         recipe.write_text(recipe_text(tasks))
-        mesh = LocalMesh(root / "mesh", agents=1, slots=slots, fsync=fsync)
+        mesh = LocalMesh(root / "mesh", agents=agents, slots=slots, fsync=fsync)
         with mesh:
             env = {**os.environ, **mesh.env()}
             _wait_for_leader(env)
-            agent_pid = mesh.agents[0].proc.pid if mesh.agents[0].proc else -1
+            agent_pids = [a.proc.pid if a.proc else -1 for a in mesh.agents]
             etcd_pid = mesh.etcd.proc.pid if mesh.etcd.proc else -1
-            agent0, etcd0, cli0 = proc_cpu(agent_pid), proc_cpu(etcd_pid), children_cpu()
+
+            def agents_cpu() -> tuple[float, float]:
+                pairs = [proc_cpu(pid) for pid in agent_pids]
+                return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+            agent0, etcd0, cli0 = agents_cpu(), proc_cpu(etcd_pid), children_cpu()
             try:
                 start = time.perf_counter()
                 done = _cli(["submit", str(recipe), "--wait"], env, SUBMIT_TIMEOUT_S)
                 wall = time.perf_counter() - start
-                agent1, etcd1, cli1 = proc_cpu(agent_pid), proc_cpu(etcd_pid), children_cpu()
+                agent1, etcd1, cli1 = agents_cpu(), proc_cpu(etcd_pid), children_cpu()
             except subprocess.TimeoutExpired as exc:
                 raise BenchError(
                     f"submit --wait ran past {SUBMIT_TIMEOUT_S:g}s\n"
@@ -252,6 +257,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=2000, help="tasks per side per round [2000]")
     p.add_argument("--slots", type=int, default=4, help="agent slots and xargs -P [4]")
+    p.add_argument(
+        "--agents", type=int, default=1, help="agents in the mesh; xargs gets agents*slots [1]"
+    )
     p.add_argument("--rounds", type=int, default=3, help="rounds, each runs both sides [3]")
     p.add_argument(
         "--no-fsync",
@@ -273,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     log = sys.stderr if args.json else sys.stdout
     print(f"command: {command}", file=log)
     print(
-        f"{args.tasks} tasks, {args.slots} slots, {args.rounds} rounds, "
+        f"{args.tasks} tasks, {args.agents} agent(s) x {args.slots} slots, {args.rounds} rounds, "
         f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
         file=log,
     )
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     xargs_rounds: list[XargsRound] = []
     try:
         for i in range(1, args.rounds + 1):
-            m = run_mesh_round(args.tasks, args.slots, fsync)
+            m = run_mesh_round(args.tasks, args.slots, fsync, args.agents)
             mesh_rounds.append(m)
             print(
                 f"round {i}: hypermesh {m.wall_s:7.2f}s  {m.end_to_end_tps:7.1f} tasks/s "
@@ -296,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=log,
                 flush=True,
             )
-            x = run_xargs_round(args.tasks, args.slots)
+            x = run_xargs_round(args.tasks, args.slots * args.agents)
             xargs_rounds.append(x)
             print(
                 f"round {i}: xargs     {x.wall_s:7.2f}s  {x.tps:7.1f} tasks/s", file=log, flush=True
@@ -317,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'hypermesh agent-side':<28}{s['hypermesh_agent_tps']:>10.1f}{s['ratio_agent']:>10.3f}",
         file=log,
     )
-    print(f"{'xargs -P ' + str(args.slots):<28}{s['xargs_tps']:>10.1f}{1:>10.3f}", file=log)
+    print(
+        f"{'xargs -P ' + str(args.slots * args.agents):<28}{s['xargs_tps']:>10.1f}{1:>10.3f}",
+        file=log,
+    )
     if args.json:
         print(
             json.dumps(
@@ -325,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                     "command": command,
                     "tasks": args.tasks,
                     "slots": args.slots,
+                    "agents": args.agents,
                     "rounds": args.rounds,
                     "fsync": fsync,
                     "machine": machine(),
