@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
+from hypermesh.agent.health import DeathWatch
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.telemetry import detect_machine
 
-from hypermesh._proto import agent_pb2_grpc
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.config import AgentConfig
 from hypermesh.errors import EtcdUnavailable, LeaseLost
 from hypermesh.etcd import Etcd
@@ -153,6 +154,7 @@ class Agent:
             ),
             asyncio.create_task(self._schedule(), name="schedule"),
             asyncio.create_task(self._campaign(), name="campaign"),
+            asyncio.create_task(self._watch_claim_holders(), name="deathwatch"),
         ]
         if self.cfg.spot:
             self._tasks.append(
@@ -292,6 +294,45 @@ class Agent:
                 log.warning("%s: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
                 self._wake.set()
+
+    async def _watch_claim_holders(self) -> None:
+        """As leader, probe the nodes that hold claims; revoke the lease of one that
+        stays silent, so its tasks run again at once (see ``health.DeathWatch``)."""
+        cfg = self.cfg
+        watch = DeathWatch(cfg.probe_failures, cfg.probe_interval * (cfg.probe_failures - 1))
+        channels: dict[str, grpc.aio.Channel] = {}
+        timeout = min(1.0, cfg.probe_interval)
+
+        async def probe(address: str) -> bool:
+            channel = channels.get(address)
+            if channel is None:
+                channel = channels[address] = grpc.aio.insecure_channel(address)
+            try:
+                await agent_pb2_grpc.AgentStub(channel).GetNode(
+                    agent_pb2.GetNodeRequest(), timeout=timeout
+                )
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+
+        try:
+            while True:
+                await asyncio.sleep(cfg.probe_interval)
+                if not self.is_leader:
+                    watch.keep_only(set())
+                    continue
+                holders = {c.node for c in self.view.claims.values()} - {cfg.name}
+                nodes = [self.view.nodes[n] for n in sorted(holders) if n in self.view.nodes]
+                watch.keep_only({n.name for n in nodes})
+                results = await asyncio.gather(*(probe(n.address) for n in nodes))
+                now = time.monotonic()
+                for node, ok in zip(nodes, results, strict=True):
+                    if watch.observe(node.name, ok, now):
+                        self.decide(f"node {node.name} unreachable; revoking its lease")
+                        await self.etcd.revoke(node.lease)
+        finally:
+            for channel in channels.values():
+                await channel.close()
 
     async def _lead(self) -> None:
         for action in leader.plan(self.view):

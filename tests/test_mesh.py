@@ -218,3 +218,31 @@ def test_etcd_cluster_loses_a_member_and_no_task_fails(tmp_path: Path) -> None:
     finally:
         mesh.close()
         cluster.stop()
+
+
+def test_leader_revokes_a_silent_node_before_its_lease_expires(mesh: Mesh) -> None:
+    mesh.agent("leader1")  # leads (first to stand); has no GPU, so it never runs the task
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  gpu_task:
+    hardware: {gpus: 1}
+    command: ['if [ "$HM_NODE" = node2 ]; then exec sleep 120; fi']
+"""
+    )
+    wid = mesh.submit(recipe)
+    mesh.agent("node2", extra=("--lease-ttl", "60", "--gpus", "1"))
+    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "the task on node2")
+    crashed = time.time()
+    mesh.agents["node2"].crash()
+    mesh.agent("node3", extra=("--gpus", "1"))
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=40)
+    assert status["state"] == "succeeded"
+    (task,) = mesh.hm_json("tasks", wid)
+    assert [(a["node"], a["reason"]) for a in task["attempts"]] == [
+        ("node2", "node-lost"),
+        ("node3", "exit"),
+    ]
+    # Far sooner than node2's 60 s lease: the leader's probes found it dead.
+    assert task["attempts"][1]["started_at"] - crashed < 15
+    assert "node node2 unreachable; revoking its lease" in mesh.agents["leader1"].log_tail(20000)
