@@ -24,11 +24,12 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
-from hypermesh.agent.health import DeathWatch
+from hypermesh.agent.gossip import Gossip
+from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.telemetry import detect_machine
 
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
 from hypermesh.errors import EtcdUnavailable, LeaseLost
 from hypermesh.etcd import Etcd
@@ -46,6 +47,8 @@ from hypermesh.txns import (
 )
 
 log = logging.getLogger("hypermesh.agent")
+
+STOP_STEP_S = 5.0  # longest wait for each step of stopping
 
 
 @dataclass
@@ -77,6 +80,9 @@ class Agent:
         # finished is never mistaken for an open one.
         self.written_revision = 0
         self.base_env = dict(os.environ)
+        # Agents gossip with lan timings in every preset: real gRPC round trips
+        # between Python processes on a loaded 2-core machine need them.
+        self.gossip = Gossip(self, GossipConfig.lan())
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -154,7 +160,7 @@ class Agent:
             ),
             asyncio.create_task(self._schedule(), name="schedule"),
             asyncio.create_task(self._campaign(), name="campaign"),
-            asyncio.create_task(self._watch_claim_holders(), name="deathwatch"),
+            asyncio.create_task(self._run_gossip(), name="gossip"),
         ]
         if self.cfg.spot:
             self._tasks.append(
@@ -170,15 +176,17 @@ class Agent:
             await self._stop.wait()
             await self._drain()
         finally:
+            # Every step is bounded: a stuck peer or etcd must not keep a drained
+            # node (and the spot machine it runs on) from exiting.
             for t in self._tasks:
                 t.cancel()
-            for t in self._tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-            await self.etcd.revoke(self.election_lease)
-            await self.etcd.revoke(self.lease)
+            await asyncio.wait(self._tasks, timeout=STOP_STEP_S)
+            for lease in (self.election_lease, self.lease):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
             await self._server.stop(grace=1.0)
-            await self.etcd.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
             self._drained.set()
             self.decide("stopped")
 
@@ -295,44 +303,9 @@ class Agent:
                 await asyncio.sleep(0.5)
                 self._wake.set()
 
-    async def _watch_claim_holders(self) -> None:
-        """As leader, probe the nodes that hold claims; revoke the lease of one that
-        stays silent, so its tasks run again at once (see ``health.DeathWatch``)."""
-        cfg = self.cfg
-        watch = DeathWatch(cfg.probe_failures, cfg.probe_interval * (cfg.probe_failures - 1))
-        channels: dict[str, grpc.aio.Channel] = {}
-        timeout = min(1.0, cfg.probe_interval)
-
-        async def probe(address: str) -> bool:
-            channel = channels.get(address)
-            if channel is None:
-                channel = channels[address] = grpc.aio.insecure_channel(address)
-            try:
-                await agent_pb2_grpc.AgentStub(channel).GetNode(
-                    agent_pb2.GetNodeRequest(), timeout=timeout
-                )
-                return True
-            except grpc.aio.AioRpcError:
-                return False
-
-        try:
-            while True:
-                await asyncio.sleep(cfg.probe_interval)
-                if not self.is_leader:
-                    watch.keep_only(set())
-                    continue
-                holders = {c.node for c in self.view.claims.values()} - {cfg.name}
-                nodes = [self.view.nodes[n] for n in sorted(holders) if n in self.view.nodes]
-                watch.keep_only({n.name for n in nodes})
-                results = await asyncio.gather(*(probe(n.address) for n in nodes))
-                now = time.monotonic()
-                for node, ok in zip(nodes, results, strict=True):
-                    if watch.observe(node.name, ok, now):
-                        self.decide(f"node {node.name} unreachable; revoking its lease")
-                        await self.etcd.revoke(node.lease)
-        finally:
-            for channel in channels.values():
-                await channel.close()
+    async def _run_gossip(self) -> None:
+        await self._mirror_ready.wait()  # seeds come from the etcd registry
+        await self.gossip.run()
 
     async def _lead(self) -> None:
         for action in leader.plan(self.view):
@@ -516,6 +489,8 @@ class Agent:
 
     async def _drain(self) -> None:
         self.state = "draining"
+        with contextlib.suppress(Exception):
+            await self.gossip.leave()
         with contextlib.suppress(EtcdUnavailable):
             await self.etcd.put(
                 self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease

@@ -98,3 +98,18 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             a.cfg = a.cfg.replace(kill_grace=request.grace_seconds)
         a.request_drain()
         return agent_pb2.DrainReply(released=count)
+
+    async def Gossip(self, request: agent_pb2.GossipPacket, context: object) -> agent_pb2.GossipAck:
+        gossip = self.agent.gossip
+        if gossip is not None:
+            try:
+                gossip.receive(request.payload)
+            except (ValueError, KeyError, TypeError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad gossip message: {exc}")  # type: ignore[attr-defined]
+        return agent_pb2.GossipAck()
+
+    async def GetMembers(
+        self, request: agent_pb2.GetMembersRequest, context: object
+    ) -> agent_pb2.Members:
+        gossip = self.agent.gossip
+        return gossip.members() if gossip is not None else agent_pb2.Members()

@@ -424,12 +424,40 @@ async def tasks(
         )
 
 
+async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
+    """The gossip member table as the agent at ``address`` sees it ({} if it does not answer)."""
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await agent_pb2_grpc.AgentStub(channel).GetMembers(
+                agent_pb2.GetMembersRequest(), timeout=3
+            )
+        except grpc.aio.AioRpcError:
+            return {}
+    return {
+        m.name: {
+            "state": m.state,
+            "incarnation": m.incarnation,
+            "meta": json.loads(m.meta_json or "{}"),
+            "since": m.state_since,
+        }
+        for m in reply.members
+    }
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--via", default=None, metavar="NODE",
+              help="Whose gossip view to show [default: the leader's].")
 @mesh_options
 @run_async
-async def nodes(mesh: Mesh, as_json: bool) -> None:
-    """List the live nodes of the mesh; the leader is marked."""
+async def nodes(mesh: Mesh, as_json: bool, via: str | None) -> None:
+    """List the live nodes of the mesh; the leader is marked.
+
+    Gossip columns (state, incarnation, load) are as one agent sees them: the
+    leader, or the node named by --via.
+    """
     ks = mesh.ks
     view = MeshView(ks)
     async with mesh.connect() as etcd:
@@ -438,6 +466,10 @@ async def nodes(mesh: Mesh, as_json: bool) -> None:
             for kv in kvs:
                 view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
     leader = view.leader()
+    asked = via or leader or (min(view.nodes) if view.nodes else None)
+    if via and via not in view.nodes:
+        raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
+    gossip = await gossip_view(view.nodes[asked].address) if asked else {}
     running: dict[str, int] = {}
     for c in view.claims.values():
         running[c.node] = running.get(c.node, 0) + 1
@@ -456,6 +488,11 @@ async def nodes(mesh: Mesh, as_json: bool) -> None:
             "memory": n.memory,
             "labels": n.labels,
             "leader": n.name == leader,
+            "gossip": gossip.get(n.name, {}).get("state"),
+            "incarnation": gossip.get(n.name, {}).get("incarnation"),
+            "load": gossip.get(n.name, {}).get("meta"),
+            "cached_bytes": (gossip.get(n.name, {}).get("meta") or {}).get("cached_bytes"),
+            "seen_by": asked if gossip else None,
         }
         for n in sorted(view.nodes.values(), key=lambda n: n.name)
     ]
@@ -463,14 +500,17 @@ async def nodes(mesh: Mesh, as_json: bool) -> None:
         _print_json(rows)
         return
     click.echo(
-        f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'POOL':<10}{'SLOTS':>6}{'RUN':>5}"
-        f"{'GPUS':>5}  LEADER"
+        f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'GOSSIP':<9}{'INC':>4}{'POOL':>10}"
+        f"{'SLOTS':>6}{'RUN':>5}{'GPUS':>5}  LEADER"
     )
     for r in rows:
         click.echo(
-            f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['pool']:<10}"
+            f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['gossip'] or '-':<9}"
+            f"{r['incarnation'] if r['incarnation'] is not None else '-':>4}{r['pool']:>10}"
             f"{r['slots']:>6}{r['running']:>5}{r['gpus']:>5}  {'*' if r['leader'] else ''}"
         )
+    if rows and gossip:
+        click.echo(f"(gossip as seen by {asked})")
 
 
 @main.command()

@@ -65,16 +65,6 @@ class AgentConfig:
     is a guarded, idempotent transaction, so two agents that briefly both believe
     they lead cannot break an invariant."""
 
-    probe_interval: float = 1.0
-    """Seconds between the leader's probes of each node that holds claims
-    (0.1-60). With ``probe_failures`` it bounds how fast a dead node's tasks run
-    again: about interval x failures (plus one probe timeout), instead of a TTL."""
-
-    probe_failures: int = 3
-    """Failed probes in a row after which the leader declares a node dead and
-    revokes its lease (1-100). Higher: fewer wrong verdicts on a congested network
-    (each costs the node's running work, never correctness)."""
-
     spot_notice_url: str = SPOT_NOTICE_URL
     """Where a ``--spot`` agent polls for the cloud's interruption notice (EC2's
     instance metadata by default; tests point it at a local server)."""
@@ -82,6 +72,10 @@ class AgentConfig:
     spot_poll: float = 2.0
     """Seconds between polls of the interruption notice (0.1-60). EC2 gives two
     minutes' notice, so a few seconds of polling delay costs little."""
+
+    preset: str = "lan"
+    """Which timing preset built this config (``lan`` or ``local``); components
+    with configs of their own (gossip) pick the matching preset."""
 
     claim_batch: int = 32
     """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
@@ -100,8 +94,8 @@ class AgentConfig:
         _check_range("claim_batch", self.claim_batch, 1, 100)
         _check_range("--leader-ttl", self.leader_ttl, 2, 60)
         _check_range("--spot-poll", self.spot_poll, 0.1, 60)
-        _check_range("probe_interval", self.probe_interval, 0.1, 60)
-        _check_range("probe_failures", self.probe_failures, 1, 100)
+        if self.preset not in ("lan", "local"):
+            raise UsageError(f"preset {self.preset!r}: expected 'lan' or 'local'")
         if self.gpus is not None:
             _check_range("--gpus", self.gpus, 0, 1024)
         host, sep, port = self.listen.rpartition(":")
@@ -120,7 +114,7 @@ class AgentConfig:
             "lease_ttl": 3,
             "kill_grace": 2.0,
             "spot_poll": 0.2,
-            "probe_interval": 0.5,
+            "preset": "local",
         }
         return cls(**(base | overrides))  # type: ignore[arg-type]
 

@@ -243,6 +243,6 @@ experiments:
         ("node2", "node-lost"),
         ("node3", "exit"),
     ]
-    # Far sooner than node2's 60 s lease: the leader's probes found it dead.
+    # Far sooner than node2's 60 s lease: gossip found it dead and the leader revoked it.
     assert task["attempts"][1]["started_at"] - crashed < 15
-    assert "node node2 unreachable; revoking its lease" in mesh.agents["leader1"].log_tail(20000)
+    assert "gossip: node2 is dead; revoking its lease" in mesh.agents["leader1"].log_tail(20000)

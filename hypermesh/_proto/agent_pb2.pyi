@@ -3,7 +3,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -87,3 +87,41 @@ class DrainReply(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class GossipPacket(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class GossipAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMembersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("name", "address", "state", "incarnation", "meta_json", "state_since")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    META_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_SINCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    state: str
+    incarnation: int
+    meta_json: str
+    state_since: float
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., incarnation: _Optional[int] = ..., meta_json: _Optional[str] = ..., state_since: _Optional[float] = ...) -> None: ...
+
+class Members(_message.Message):
+    __slots__ = ("members", "local_health")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HEALTH_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    local_health: int
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., local_health: _Optional[int] = ...) -> None: ...

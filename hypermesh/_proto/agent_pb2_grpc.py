@@ -50,6 +50,16 @@ class AgentStub:
                 request_serializer=agent__pb2.DrainRequest.SerializeToString,
                 response_deserializer=agent__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.Gossip = channel.unary_unary(
+                '/hypermesh.v1.Agent/Gossip',
+                request_serializer=agent__pb2.GossipPacket.SerializeToString,
+                response_deserializer=agent__pb2.GossipAck.FromString,
+                _registered_method=True)
+        self.GetMembers = channel.unary_unary(
+                '/hypermesh.v1.Agent/GetMembers',
+                request_serializer=agent__pb2.GetMembersRequest.SerializeToString,
+                response_deserializer=agent__pb2.Members.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -78,6 +88,21 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Gossip(self, request, context):
+        """One SWIM gossip message (ping, ack, ping-req, push-pull...), one way: the
+        reply only says it arrived. The payload is the protocol's JSON encoding.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMembers(self, request, context):
+        """The gossip member table as this node sees it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +120,16 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=agent__pb2.DrainRequest.FromString,
                     response_serializer=agent__pb2.DrainReply.SerializeToString,
+            ),
+            'Gossip': grpc.unary_unary_rpc_method_handler(
+                    servicer.Gossip,
+                    request_deserializer=agent__pb2.GossipPacket.FromString,
+                    response_serializer=agent__pb2.GossipAck.SerializeToString,
+            ),
+            'GetMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMembers,
+                    request_deserializer=agent__pb2.GetMembersRequest.FromString,
+                    response_serializer=agent__pb2.Members.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +213,60 @@ class Agent:
             '/hypermesh.v1.Agent/Drain',
             agent__pb2.DrainRequest.SerializeToString,
             agent__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Gossip(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypermesh.v1.Agent/Gossip',
+            agent__pb2.GossipPacket.SerializeToString,
+            agent__pb2.GossipAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypermesh.v1.Agent/GetMembers',
+            agent__pb2.GetMembersRequest.SerializeToString,
+            agent__pb2.Members.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,205 @@
+"""Gossip between agents: the I/O around the pure SWIM state machine (``swim.py``).
+
+This module carries the protocol's messages over the agent's gRPC API (one-way
+``Gossip`` calls), tells the protocol when a peer refused a connection, feeds it
+the node's load as metadata, and turns its verdicts into action: when a member
+is declared dead, the leader (or every agent, when the leader is the one that
+died or none is known) revokes that node's etcd lease, so its tasks are claimed
+again at once. A node wrongly declared dead loses its lease, kills its tasks,
+rejoins, and its late results are fenced off, so a wrong verdict costs work,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.swim import Message, Outgoing, Swim
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly to a peer that comes back; grpc's default backoff grows to 2 min.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
+IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
+
+
+def refused(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call means nothing listens at the address (the process is gone)."""
+    details = (exc.details() or "").lower()
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
+        "refused" in details or "failed to connect" in details
+    )
+
+
+class Gossip:
+    """One agent's membership in the gossip mesh. Owned by the agent's event loop."""
+
+    def __init__(self, agent: Agent, cfg: GossipConfig) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.swim: Swim | None = None
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.revoked: set[tuple[str, int]] = set()
+        self._meta: dict[str, Any] = {}
+        self._meta_at = 0.0
+        self._wake = asyncio.Event()
+        self._sends: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ running
+    async def run(self) -> None:
+        a = self.agent
+        now = time.monotonic()
+        self.swim = Swim(a.cfg.name, a.address, self.cfg, random.Random(), now, meta=self.meta())
+        self._meta_at = now
+        try:
+            while True:
+                now = time.monotonic()
+                if not self._has_peers():
+                    seeds = self._seeds()
+                    if seeds:
+                        self._send(self.swim.join(seeds, now))
+                self._send(self.swim.tick(now))
+                self._publish_load(now)
+                await self._act_on_events()
+                delay = min(IDLE_TICK_S, max(0.01, self.swim.next_deadline() - time.monotonic()))
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+        finally:
+            for task in list(self._sends):
+                task.cancel()
+            for channel in self.channels.values():
+                await channel.close()
+
+    async def leave(self) -> None:
+        """Tell peers this node leaves on purpose (drain), best effort."""
+        if self.swim is not None:
+            self._send(self.swim.leave(time.monotonic()))
+            if self._sends:
+                await asyncio.wait(list(self._sends), timeout=1.0)
+
+    def _seeds(self) -> list[tuple[str, str]]:
+        """Peers to join through: the other nodes registered in etcd."""
+        me = self.agent.cfg.name
+        return [(n.name, n.address) for n in self.agent.view.nodes.values() if n.name != me]
+
+    def _has_peers(self) -> bool:
+        assert self.swim is not None
+        me = self.agent.cfg.name
+        return any(
+            m.name != me and m.state in ("alive", "suspect") for m in self.swim.members().values()
+        )
+
+    # ------------------------------------------------------------------ messages
+    def receive(self, payload: bytes) -> None:
+        """A message from a peer (called by the gRPC servicer)."""
+        if self.swim is None:
+            return
+        message = Message.from_json(json.loads(payload))
+        self._send(self.swim.receive(message, time.monotonic()))
+        self._wake.set()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channels[address] = channel
+        return channel
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for out in outgoing:
+            task = asyncio.create_task(self._deliver(out))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    async def _deliver(self, out: Outgoing) -> None:
+        payload = json.dumps(out.message.to_json(), separators=(",", ":")).encode()
+        stub = agent_pb2_grpc.AgentStub(self._channel(out.address))
+        try:
+            packet = agent_pb2.GossipPacket(payload=payload)
+            await stub.Gossip(packet, timeout=self.cfg.probe_timeout)
+        except grpc.aio.UsageError:
+            return  # the channel was closed: this node is stopping
+        except grpc.aio.AioRpcError as exc:
+            if self.swim is not None:
+                self._send(self.swim.send_failed(out.to, time.monotonic(), refused(exc)))
+                self._wake.set()
+
+    # ------------------------------------------------------------------ metadata
+    def meta(self) -> dict[str, Any]:
+        """What this node gossips about itself: load and free capacity."""
+        a = self.agent
+        running = len(a.running)
+        gpus_used = sum(r.gpus for r in a.running.values())
+        return {
+            "running": running,
+            "slots": a.cfg.slots,
+            "free_slots": max(0, a.cfg.slots - running),
+            "gpus": a.machine.gpus,
+            "free_gpus": max(0.0, a.machine.gpus - gpus_used),
+            "state": a.state,
+            "cached_bytes": 0,  # chunk caches arrive with chunkfs
+        }
+
+    def _publish_load(self, now: float) -> None:
+        assert self.swim is not None
+        meta = self.meta()
+        if meta != self._meta and now - self._meta_at >= META_MIN_INTERVAL_S:
+            self.swim.set_meta(meta, now)
+            self._meta, self._meta_at = meta, now
+
+    # ------------------------------------------------------------------ verdicts
+    async def _act_on_events(self) -> None:
+        assert self.swim is not None
+        a = self.agent
+        for member, old, new in self.swim.drain_events():
+            if new in ("suspect", "dead"):
+                a.decide(f"gossip: {member} {old} -> {new}")
+            if new != "dead" or member == a.cfg.name:
+                continue
+            leader = a.view.leader()
+            if leader not in (a.cfg.name, None, member):
+                continue  # the leader acts on it
+            node = a.view.nodes.get(member)
+            if node is None or (member, node.lease) in self.revoked:
+                continue
+            self.revoked.add((member, node.lease))
+            a.decide(f"gossip: {member} is dead; revoking its lease {node.lease:x}")
+            await a.etcd.revoke(node.lease)
+
+    def members(self) -> agent_pb2.Members:
+        if self.swim is None:
+            return agent_pb2.Members()
+        to_wall = time.time() - time.monotonic()  # state_since is on the monotonic clock
+        return agent_pb2.Members(
+            members=[
+                agent_pb2.Member(
+                    name=m.name,
+                    address=m.address,
+                    state=m.state,
+                    incarnation=m.incarnation,
+                    meta_json=json.dumps(m.meta, sort_keys=True),
+                    state_since=m.state_since + to_wall,
+                )
+                for m in sorted(self.swim.members().values(), key=lambda m: m.name)
+            ],
+            local_health=self.swim.local_health,
+        )

@@ -1,0 +1,188 @@
+"""Tuning of the SWIM/Lifeguard gossip protocol: one frozen record, validated once.
+
+Every field says its unit and what turning it up or down costs. The timing
+formulas that combine these fields (suspicion timeouts, retransmit limit,
+push-pull scaling) are named functions in :mod:`suspicion`; this module only
+holds the numbers.
+
+Presets:
+
+* :meth:`GossipConfig.lan` — the default for machines on one network: a dead
+  member is known everywhere within about 1-3 s in a small mesh (0.5 s protocol
+  period), within 15 periods at 1,000 members and 20 at 10,000 (see
+  ``docs/gossip_sim.md``); a member whose port refuses connections is known
+  dead within about one period.
+* :meth:`GossipConfig.local` — ten times faster timers, for tests that drive the
+  protocol with a virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """How one member probes, suspects and gossips. Immutable; checked at construction."""
+
+    protocol_period: float = 0.5
+    """Seconds between two probes started by this member (one member probed per period).
+
+    Every member is probed about once per period by someone, so detection time is a
+    small multiple of this. Shorter: faster detection, proportionally more pings
+    (two messages per member per period)."""
+
+    probe_timeout: float = 0.2
+    """Seconds to wait for a direct ack before asking ``indirect_checks`` members to probe.
+
+    Must exceed the round trip time at high percentiles, else healthy members are
+    probed indirectly for nothing; must leave room for the indirect round within
+    ``protocol_period``."""
+
+    indirect_checks: int = 3
+    """k: members asked to probe the target when the direct probe failed.
+
+    More: fewer false suspicions when the path to one member is lossy (the chance
+    that all k indirect paths fail falls geometrically), more messages per failed
+    probe (four per indirect prober)."""
+
+    suspicion_mult: float = 2.0
+    """alpha: the shortest suspicion timeout is alpha * max(1, log10 N) protocol periods.
+
+    Larger: more time for a suspected live member to hear of it and refute, so
+    fewer false deaths under loss; a dead member is declared dead later."""
+
+    suspicion_max_mult: float = 4.0
+    """beta: the longest suspicion timeout is beta times the shortest.
+
+    A suspicion starts at the longest timeout and shrinks to the shortest as
+    independent members confirm it (Lifeguard). Larger: a lone, possibly wrong,
+    accuser needs longer to get a member declared dead."""
+
+    suspicion_confirmations: int = 4
+    """K: independent confirmations after which the suspicion timeout reaches its minimum.
+
+    Capped at N - 2 (there are not more members who could confirm). Larger: a few
+    coincidental false suspicions under loss shorten the timeout less."""
+
+    retransmit_mult: int = 4
+    """lambda: each update is sent lambda * ceil(log10(N + 1)) times by each member.
+
+    Larger: an update survives more message loss before it is dropped from the
+    piggyback queue; more bytes per message while updates are in flight."""
+
+    gossip_interval: float = 0.25
+    """Seconds between gossip rounds (only while there are updates to spread).
+
+    Each round sends the queued updates to ``gossip_fanout`` random members, in
+    addition to what rides on pings and acks. Shorter: updates spread faster,
+    more messages while they do."""
+
+    gossip_fanout: int = 3
+    """Members that each gossip round sends to. Larger: faster spread, more messages."""
+
+    max_piggyback: int = 8
+    """Most updates carried by one message (pings, acks and gossip alike).
+
+    Larger: fewer rounds to drain a burst of updates, larger messages."""
+
+    push_pull_interval: float = 30.0
+    """Seconds between full member-table exchanges with one random member (0: never).
+
+    Scaled up with the mesh size (see ``suspicion.push_pull_period``). Repairs
+    anything gossip lost; each exchange costs two messages of the size of the
+    whole table."""
+
+    awareness_max: int = 8
+    """Highest Lifeguard local-health score (0: local health is not tracked).
+
+    A member whose own probes fail without nacks, that has to refute suspicions of
+    itself, or whose ticks arrive late, raises its score; its probe timeout and
+    period are multiplied by (score + 1). Larger: a sick member backs off further
+    before it accuses others."""
+
+    late_tick_threshold: float = 0.5
+    """Seconds a tick may arrive after it was due before the member counts itself slow.
+
+    A late tick raises local health by one and voids the probe in flight: a member
+    whose event loop stalled cannot tell a silent peer from its own stall."""
+
+    refused_quorum: int = 2
+    """Members that must see the target refuse connections to declare it dead at once.
+
+    The direct prober counts as one and each indirect prober that reports a refused
+    connection as one more. A refused connection means the port is closed: the
+    process is gone (a stopped or partitioned process times out instead). 0 turns
+    the fast path off (a refusal then only hastens suspicion); 1 trusts a single
+    refusal."""
+
+    reconnect_interval: float = 10.0
+    """Seconds between push-pull attempts with one random dead member (0: never).
+
+    Heals a partition after both sides declared each other dead: the first
+    exchange across the healed link makes both ends refute, and gossip does the
+    rest."""
+
+    dead_retention: float = 300.0
+    """Seconds a dead or left member is remembered (for refutation and reconnects)."""
+
+    max_meta_bytes: int = 2048
+    """Largest serialized meta (JSON) a member may publish about itself.
+
+    Meta rides on alive updates: load, free slots and GPUs, chunk-summary digests."""
+
+    def __post_init__(self) -> None:
+        _check_range("protocol_period", self.protocol_period, 0.001, 60.0)
+        _check_range("probe_timeout", self.probe_timeout, 0.0001, self.protocol_period * 0.9)
+        _check_range("indirect_checks", self.indirect_checks, 0, 16, integer=True)
+        _check_range("suspicion_mult", self.suspicion_mult, 0.5, 100.0)
+        _check_range("suspicion_max_mult", self.suspicion_max_mult, 1.0, 100.0)
+        _check_range("suspicion_confirmations", self.suspicion_confirmations, 0, 32, integer=True)
+        _check_range("retransmit_mult", self.retransmit_mult, 1, 100, integer=True)
+        _check_range("gossip_interval", self.gossip_interval, 0.001, 60.0)
+        _check_range("gossip_fanout", self.gossip_fanout, 0, 64, integer=True)
+        _check_range("max_piggyback", self.max_piggyback, 1, 1024, integer=True)
+        _check_range("push_pull_interval", self.push_pull_interval, 0.0, 86400.0)
+        _check_range("awareness_max", self.awareness_max, 0, 64, integer=True)
+        _check_range("late_tick_threshold", self.late_tick_threshold, 0.001, 3600.0)
+        quorum_max = 1 + self.indirect_checks
+        _check_range("refused_quorum", self.refused_quorum, 0, quorum_max, integer=True)
+        _check_range("reconnect_interval", self.reconnect_interval, 0.0, 86400.0)
+        _check_range("dead_retention", self.dead_retention, 0.0, 30 * 86400.0)
+        _check_range("max_meta_bytes", self.max_meta_bytes, 16, 1 << 20, integer=True)
+
+    @classmethod
+    def lan(cls, **overrides: Any) -> GossipConfig:
+        """The default: members on one network, round trips well under 100 ms."""
+        return replace(cls(), **overrides)
+
+    @classmethod
+    def local(cls, **overrides: Any) -> GossipConfig:
+        """Ten times faster timers, for tests on a virtual clock or on loopback."""
+        base = cls(
+            protocol_period=0.05,
+            probe_timeout=0.02,
+            gossip_interval=0.025,
+            push_pull_interval=3.0,
+            late_tick_threshold=0.05,
+            reconnect_interval=1.0,
+            dead_retention=30.0,
+        )
+        return replace(base, **overrides)
+
+    def describe(self) -> dict[str, Any]:
+        """All fields as a plain dict (for reports and logs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_range(
+    name: str, value: float, low: float, high: float, *, integer: bool = False
+) -> None:
+    kind = "an integer" if integer else "a number"
+    wrong_type = not isinstance(value, int) if integer else not isinstance(value, int | float)
+    if isinstance(value, bool) or wrong_type or math.isnan(value):
+        raise ValueError(f"{name} must be {kind} in [{low:g}, {high:g}], got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value:g}")
