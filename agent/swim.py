@@ -805,6 +805,10 @@ class Swim:
             self._bump_awareness(1)
             self.log.append((now, self.name, "refuted", u.state))
             self._refute(u, now)
+        elif u.state != LEFT and self.name not in self._queue:
+            # An accusation we already refuted is still going round: whoever carries it
+            # missed the refutation, so spread it again (no new incarnation needed).
+            self._queue.push(self._self_update())
 
     def _refute(self, u: Update, now: float) -> None:
         self._incarnation = max(self._incarnation, u.incarnation) + 1

@@ -450,9 +450,11 @@ async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--via", default=None, metavar="NODE",
               help="Whose gossip view to show [default: the leader's].")
+@click.option("--all", "show_all", is_flag=True,
+              help="Also members that gossip knows but etcd no longer lists (dead, left).")
 @mesh_options
 @run_async
-async def nodes(mesh: Mesh, as_json: bool, via: str | None) -> None:
+async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> None:
     """List the live nodes of the mesh; the leader is marked.
 
     Gossip columns (state, incarnation, load) are as one agent sees them: the
@@ -496,6 +498,19 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None) -> None:
         }
         for n in sorted(view.nodes.values(), key=lambda n: n.name)
     ]
+    if show_all:
+        for name, g in sorted(gossip.items()):
+            if name not in view.nodes:
+                rows.append(
+                    {
+                        "name": name, "address": None, "state": "gone", "pool": None,
+                        "spot": None, "slots": None, "running": 0, "gpus": None,
+                        "gpu_type": None, "cpus": None, "memory": None, "labels": {},
+                        "leader": False, "gossip": g["state"], "incarnation": g["incarnation"],
+                        "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
+                        "seen_by": asked,
+                    }
+                )
     if as_json:
         _print_json(rows)
         return
@@ -505,9 +520,11 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None) -> None:
     )
     for r in rows:
         click.echo(
-            f"{r['name']:<16}{r['address']:<22}{r['state']:<10}{r['gossip'] or '-':<9}"
-            f"{r['incarnation'] if r['incarnation'] is not None else '-':>4}{r['pool']:>10}"
-            f"{r['slots']:>6}{r['running']:>5}{r['gpus']:>5}  {'*' if r['leader'] else ''}"
+            f"{r['name']:<16}{r['address'] or '-':<22}{r['state']:<10}{r['gossip'] or '-':<9}"
+            f"{r['incarnation'] if r['incarnation'] is not None else '-':>4}"
+            f"{r['pool'] or '-':>10}{r['slots'] if r['slots'] is not None else '-':>6}"
+            f"{r['running']:>5}{r['gpus'] if r['gpus'] is not None else '-':>5}"
+            f"  {'*' if r['leader'] else ''}"
         )
     if rows and gossip:
         click.echo(f"(gossip as seen by {asked})")
