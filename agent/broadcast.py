@@ -3,7 +3,7 @@
 An update is one member's state as its sender knows it: alive, suspect, dead
 or left, at an incarnation, with the member's meta while alive. Updates ride on
 every protocol message; the :class:`BroadcastQueue` picks which: least
-transmitted first, newest first among equals, each one dropped once it was sent
+transmitted first, most recent first among equals, each one dropped once it was sent
 ``retransmit_limit`` times, and a newer update about a member replacing the
 queued one about the same member.
 """
@@ -137,12 +137,15 @@ class BroadcastQueue:
         return self._where.get(member)
 
     def take(self, limit: int, max_transmits: int, skip: str = "") -> list[Update]:
-        """Up to ``limit`` updates for one message, least sent and then newest first.
+        """Up to ``limit`` updates for one message: least sent first; among updates sent
+        equally often, the one that reached that count last first (so among unsent
+        updates, the newest).
 
         Each one taken counts one transmission; one that reaches ``max_transmits``
         leaves the queue. Updates about ``skip`` are left alone (the caller carries
         its own).
         """
+        self._trim(max_transmits)
         chosen: list[tuple[int, Update]] = []
         wanted = min(limit, len(self._where))
         for sent, bucket in enumerate(self._buckets):
@@ -164,7 +167,6 @@ class BroadcastQueue:
                 self._buckets.append({})
             self._buckets[sent + 1][member] = update
             self._where[member] = sent + 1
-        self._trim(max_transmits)
         return [update for _, update in chosen]
 
     def pending(self) -> list[Update]:

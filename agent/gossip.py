@@ -41,6 +41,10 @@ META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 
 
+def _encode(out: Outgoing) -> bytes:
+    return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
+
+
 def refused(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed call means nothing listens at the address (the process is gone)."""
     details = (exc.details() or "").lower()
@@ -109,13 +113,17 @@ class Gossip:
         )
 
     # ------------------------------------------------------------------ messages
-    def receive(self, payload: bytes) -> None:
-        """A message from a peer (called by the gRPC servicer)."""
+    def receive(self, payload: bytes) -> list[bytes]:
+        """A message from a peer (called by the gRPC servicer). Returns the encoded
+        messages for the sender, which go back in the call's response."""
         if self.swim is None:
-            return
+            return []
         message = Message.from_json(json.loads(payload))
-        self._send(self.swim.receive(message, time.monotonic()))
+        outgoing = self.swim.receive(message, time.monotonic())
+        replies = [o for o in outgoing if o.to == message.sender]
+        self._send([o for o in outgoing if o.to != message.sender])
         self._wake.set()
+        return [_encode(o) for o in replies]
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
@@ -131,17 +139,22 @@ class Gossip:
             task.add_done_callback(self._sends.discard)
 
     async def _deliver(self, out: Outgoing) -> None:
-        payload = json.dumps(out.message.to_json(), separators=(",", ":")).encode()
         stub = agent_pb2_grpc.AgentStub(self._channel(out.address))
         try:
-            packet = agent_pb2.GossipPacket(payload=payload)
-            await stub.Gossip(packet, timeout=self.cfg.probe_timeout)
+            packet = agent_pb2.GossipPacket(payload=_encode(out))
+            reply = await stub.Gossip(packet, timeout=self.cfg.probe_timeout)
         except grpc.aio.UsageError:
             return  # the channel was closed: this node is stopping
         except grpc.aio.AioRpcError as exc:
             if self.swim is not None:
                 self._send(self.swim.send_failed(out.to, time.monotonic(), refused(exc)))
                 self._wake.set()
+            return
+        if self.swim is not None and reply.replies:
+            now = time.monotonic()
+            for data in reply.replies:
+                self._send(self.swim.receive(Message.from_json(json.loads(data)), now))
+            self._wake.set()
 
     # ------------------------------------------------------------------ metadata
     def meta(self) -> dict[str, Any]:

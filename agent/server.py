@@ -101,12 +101,15 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 
     async def Gossip(self, request: agent_pb2.GossipPacket, context: object) -> agent_pb2.GossipAck:
         gossip = self.agent.gossip
+        replies: list[bytes] = []
         if gossip is not None:
             try:
-                gossip.receive(request.payload)
+                replies = gossip.receive(request.payload)
             except (ValueError, KeyError, TypeError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad gossip message: {exc}")  # type: ignore[attr-defined]
-        return agent_pb2.GossipAck()
+                await context.abort(  # type: ignore[attr-defined]
+                    grpc.StatusCode.INVALID_ARGUMENT, f"bad gossip message: {exc}"
+                )
+        return agent_pb2.GossipAck(replies=replies)
 
     async def GetMembers(
         self, request: agent_pb2.GetMembersRequest, context: object

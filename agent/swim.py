@@ -282,6 +282,7 @@ class _Probe:
     end_at: float
     indirect: bool = False
     direct_refused: bool = False
+    verify: bool = False  # a last check of an unconfirmed suspicion before it becomes a death
     sent: int = 0  # ping_reqs sent
     answered: int = 0  # ... of which answered: a nack, or our send to the prober failed
     via: set[str] = field(default_factory=set)  # probers yet to answer
@@ -329,6 +330,7 @@ class Swim:
         self._gone: dict[str, float] = {}  # dead and left members -> since, for reclaiming
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, Suspicion] = {}
+        self._verifying: dict[str, Suspicion] = {}  # expired, unconfirmed, under a last probe
         self._susp_next = _INF
         self._susp_dirty = False
         self._probes: dict[int, _Probe] = {}
@@ -620,14 +622,21 @@ class Swim:
             self._declare_dead(probe.target, now, "refused")
         elif probe.direct_refused and probe.indirect and not probe.via:
             self._end_probe(probe)
-            self._suspect(probe.target, now)
+            self._fail_target(probe, now)
 
     def _probe_failed(self, probe: _Probe, now: float, out: list[Outgoing]) -> None:
         self._end_probe(probe)
         if not probe.direct_refused:
             missed = probe.sent - probe.answered if probe.sent else 1
             self._bump_awareness(max(0, missed))
-        self._suspect(probe.target, now)
+        self._fail_target(probe, now)
+
+    def _fail_target(self, probe: _Probe, now: float) -> None:
+        if probe.verify and self._verifying.pop(probe.target, None) is not None:
+            self._declare_dead(probe.target, now, "suspicion timeout, unconfirmed, last probe "
+                                                  "failed")
+        else:
+            self._suspect(probe.target, now)
 
     def _end_probe(self, probe: _Probe) -> None:
         self._probes.pop(probe.seq, None)
@@ -639,6 +648,12 @@ class Swim:
         if probe is not None and probe.target in (msg.sender, msg.target):
             self._end_probe(probe)
             self._bump_awareness(-1)
+            susp = self._verifying.pop(probe.target, None) if probe.verify else None
+            rec = self._table.get(probe.target)
+            if susp is not None and rec is not None and rec.state == SUSPECT:
+                # It answered but its refutation did not reach us: give it a new term.
+                self._hold_suspicion(probe.target, Suspicion(
+                    now, susp.accuser, susp.k, susp.min_timeout, susp.max_timeout))
             return
         relay = self._relays.pop(msg.seq, None)
         if relay is not None and msg.sender == relay.target:
@@ -686,6 +701,9 @@ class Swim:
         self._bump_awareness(1)
         for probe in list(self._probes.values()):
             self._end_probe(probe)
+        for member, susp in self._verifying.items():
+            self._hold_suspicion(member, susp)  # already due: checked again after the grace
+        self._verifying.clear()
         self._next_probe = now + health_scaled(self.cfg.protocol_period, self._awareness)
         self._grace_until = now + self.cfg.protocol_period
         self.log.append((now, self.name, "late-tick", str(self._awareness)))
@@ -716,15 +734,41 @@ class Swim:
         return self._susp_next
 
     def _drop_suspicion(self, member: str) -> None:
+        self._verifying.pop(member, None)
         if self._suspicions.pop(member, None) is not None:
             self._susp_dirty = True
 
+    def _hold_suspicion(self, member: str, susp: Suspicion) -> None:
+        self._suspicions[member] = susp
+        self._susp_next = min(self._susp_next, susp.deadline())
+
     def _expire_suspicions(self, now: float, out: list[Outgoing]) -> None:
+        """Confirmed suspicions that ran out become deaths. One that nobody confirmed
+        gets a last probe first (carrying the suspicion): if the suspect answers, it
+        refutes in its ack; only if it stays silent is it dead. This catches the rare
+        member that missed a refutation on every one of its retransmissions."""
         for member, susp in list(self._suspicions.items()):
-            if susp.deadline() <= now:
+            if susp.deadline() > now:
+                continue
+            self._drop_suspicion(member)
+            if susp.confirmers:
                 self._declare_dead(member, now, f"suspicion timeout, {len(susp.confirmers)} "
                                                 "confirmations")
-                self._drop_suspicion(member)
+                continue
+            self._verifying[member] = susp
+            seq = self._probing.get(member)
+            if seq is not None:
+                self._probes[seq].verify = True
+                continue
+            rec = self._table.get(member)
+            assert rec is not None
+            period = health_scaled(self.cfg.protocol_period, self._awareness)
+            timeout = health_scaled(self.cfg.probe_timeout, self._awareness)
+            probe = _Probe(self._new_seq(), member, rec.address, now + timeout, now + period,
+                           verify=True)
+            self._probes[probe.seq] = probe
+            self._probing[member] = probe.seq
+            out.append(self._ping(member, rec, probe.seq))
 
     # ---------------------------------------------------------------- merging
 
@@ -764,9 +808,7 @@ class Swim:
                     low = health_scaled(low, self._awareness)
                     high = health_scaled(high, self._awareness)
                 k = expected_confirmations(self._n_live, self.cfg)
-                susp = Suspicion(now, u.source, k, low, high)
-                self._suspicions[u.member] = susp
-                self._susp_next = min(self._susp_next, susp.deadline())
+                self._hold_suspicion(u.member, Suspicion(now, u.source, k, low, high))
         else:
             return
         if gossip:

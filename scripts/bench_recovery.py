@@ -122,8 +122,8 @@ def recovery(
             # Back, it finds its lease revoked, kills its orphans, rejects its own
             # late results and rejoins; wait for that before the next round.
             def rejoined(name: str = victim_name, agent: AgentProcess = victim) -> bool:
-                listed = {n["name"] for n in cli(env, "nodes")}
-                return name in listed and "rejoined" in agent.log_tail(4000)
+                listed = {n["name"]: n["gossip"] for n in cli(env, "nodes")}
+                return listed.get(name) == "alive" and "rejoined" in agent.log_tail(4000)
 
             wait_for(rejoined, 60, f"{victim_name} to rejoin")
         else:

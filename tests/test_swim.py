@@ -222,9 +222,44 @@ def test_unanswered_probe_makes_a_suspect_then_dead_after_the_lifeguard_timeout(
     assert a.next_deadline() <= end + high
     advance(a, end + high - 1e-6)
     assert wire.state("a", target) == SUSPECT
-    advance(a, end + high)
+    # unconfirmed: one last probe, carrying the suspicion, before the verdict
+    last = [o for o in a.tick(end + high) if o.to == target and o.message.kind == "ping"]
+    assert [(u.member, u.state) for u in last[0].message.updates[:1]] == [(target, SUSPECT)]
+    verdict = end + high + (a.local_health + 1) * CFG.protocol_period
+    advance(a, verdict - 1e-6)
+    assert wire.state("a", target) == SUSPECT
+    advance(a, verdict)
     assert wire.state("a", target) == DEAD
     assert (target, SUSPECT, DEAD) in a.drain_events()
+
+
+def test_the_last_probe_of_an_unconfirmed_suspicion_fetches_a_missed_refutation() -> None:
+    # a suspicion shorter than a period, so that only the last probe can save b
+    cfg = GossipConfig.local(suspicion_mult=0.5, suspicion_max_mult=1.0, push_pull_interval=0.0,
+                             reconnect_interval=0.0)
+    wire = Wire(["a", "b", "c"], cfg=cfg)
+    a, b = wire.nodes["a"], wire.nodes["b"]
+    old = Update("b", "addr-b", SUSPECT, 0, source="c")
+    b.receive(Message("gossip", "c", "addr-c", updates=(old,)), 0.0)  # b refutes: inc 1...
+    advance(b, 2.0)  # ...and its refutation is spent, while a will hear only the suspicion
+    assert "b" not in b._queue and b.incarnation == 1
+    wire.now = a.next_deadline()
+    wire.deliver("a", a.tick(wire.now))
+    a.receive(Message("gossip", "c", "addr-c", updates=(old,)), wire.now)
+    deadline = a._suspicions["b"].deadline()
+    wire.cut.add(frozenset("ab"))  # a's gossip of the suspicion does not reach b...
+    while a.next_deadline() < deadline:
+        wire.now = a.next_deadline()
+        wire.deliver("a", a.tick(wire.now))
+    wire.cut.clear()  # ...but its last probe will
+    assert wire.state("a", "b") == SUSPECT
+    wire.now = deadline
+    out = a.tick(deadline)
+    assert [o.message.kind for o in out if o.to == "b"] == ["ping"]
+    wire.deliver("a", out)  # b acks, sending its refutation again
+    view = a.member("b")
+    assert view is not None and (view.state, view.incarnation) == (ALIVE, 1)
+    assert ("b", SUSPECT, ALIVE) in a.drain_events()
 
 
 def test_confirmations_from_distinct_members_shorten_the_suspicion() -> None:

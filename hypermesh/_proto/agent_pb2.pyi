@@ -95,8 +95,10 @@ class GossipPacket(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class GossipAck(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, replies: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GetMembersRequest(_message.Message):
     __slots__ = ()

@@ -89,8 +89,10 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Gossip(self, request, context):
-        """One SWIM gossip message (ping, ack, ping-req, push-pull...), one way: the
-        reply only says it arrived. The payload is the protocol's JSON encoding.
+        """One SWIM gossip message (ping, ack, ping-req, push-pull...). Messages the
+        receiver answers straight back to the sender (an ack to a ping, a push-pull
+        reply) ride in the response, which halves the calls; everything else the
+        receiver sends with calls of its own. Payloads are the protocol's JSON.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
