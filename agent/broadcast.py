@@ -1,10 +1,13 @@
-"""What gossip says about a member (:class:`Update`), and the piggyback queue. Pure.
+"""What gossip carries — :class:`Update` and :class:`Message` — and the piggyback queue.
 
 An update is one member's state as its sender knows it: alive, suspect, dead
-or left, at an incarnation, with the member's meta while alive. Updates ride on
-every protocol message; the :class:`BroadcastQueue` picks which: least
-transmitted first, most recent first among equals, each one dropped once it was sent
-``retransmit_limit`` times, and a newer update about a member replacing the
+or left, at an incarnation, with the member's meta while alive. A message is
+one protocol step (ping, ack, ...) with updates riding on it; ``to_json`` /
+``from_json`` are the wire format the transport sends. Pure.
+
+The :class:`BroadcastQueue` picks the updates for each message: least
+transmitted first, most recent first among equals, each one dropped once it was
+sent ``retransmit_limit`` times, and a newer update about a member replacing the
 queued one about the same member.
 """
 
@@ -92,6 +95,79 @@ class Update:
             raise ValueError(f"meta must be an object in {row!r}")
         meta_json = None if meta is None else encode_meta(meta)
         return cls(member, address, STATES[code], incarnation, meta_version, meta_json, source)
+
+
+KINDS = ("ping", "ack", "nack", "ping_req", "push_pull", "push_pull_reply", "gossip")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One one-way protocol message. ``refused`` marks a nack whose target refused."""
+
+    kind: str
+    sender: str
+    sender_addr: str
+    seq: int = 0
+    target: str = ""
+    target_addr: str = ""
+    updates: tuple[Update, ...] = ()
+    table: tuple[Update, ...] = ()
+    refused: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """A compact JSON-able dict; fields at their defaults are left out."""
+        out: dict[str, Any] = {"k": self.kind, "f": self.sender, "fa": self.sender_addr}
+        if self.seq:
+            out["q"] = self.seq
+        if self.target:
+            out["t"] = self.target
+        if self.target_addr:
+            out["ta"] = self.target_addr
+        if self.updates:
+            out["u"] = [u.to_wire() for u in self.updates]
+        if self.table:
+            out["tb"] = [u.to_wire() for u in self.table]
+        if self.refused:
+            out["r"] = 1
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Message:
+        """Inverse of :meth:`to_json`; raises ValueError on anything malformed."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a message is an object, got {type(data).__name__}")
+        kind = data.get("k")
+        if kind not in KINDS:
+            raise ValueError(f"unknown message kind {kind!r}; expected one of {KINDS}")
+        strings = {key: data.get(key, "") for key in ("f", "fa", "t", "ta")}
+        if not all(isinstance(v, str) for v in strings.values()) or not strings["f"]:
+            raise ValueError("sender, addresses and target must be strings (sender non-empty)")
+        seq = data.get("q", 0)
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise ValueError(f"seq must be an integer, got {seq!r}")
+        rows = {key: data.get(key, []) for key in ("u", "tb")}
+        if not all(isinstance(v, list) for v in rows.values()):
+            raise ValueError("updates and table must be lists")
+        return cls(
+            kind=kind,
+            sender=strings["f"],
+            sender_addr=strings["fa"],
+            seq=seq,
+            target=strings["t"],
+            target_addr=strings["ta"],
+            updates=tuple(Update.from_wire(r) for r in rows["u"]),
+            table=tuple(Update.from_wire(r) for r in rows["tb"]),
+            refused=bool(data.get("r", 0)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A message the transport must send to member ``to`` at ``address``."""
+
+    to: str
+    address: str
+    message: Message
 
 
 class BroadcastQueue:

@@ -216,6 +216,10 @@ class Agent:
         self.last_renewal = time.monotonic()
         await self.etcd.put(self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease)
 
+    @property
+    def lease_is_lost(self) -> bool:
+        return self._lease_lost.is_set()
+
     def lease_fresh(self) -> bool:
         """Whether the node lease was renewed within the last TTL. After a pause
         (SIGSTOP, a frozen VM) it is not, and etcd has likely dropped our claims."""

@@ -188,6 +188,12 @@ class Gossip:
                 a.decide(f"gossip: {member} {old} -> {new}")
             if new != "dead" or member == a.cfg.name:
                 continue
+            unhealthy = self.swim.local_health > self.cfg.awareness_max // 2
+            if not a.lease_fresh() or a.lease_is_lost or unhealthy:
+                # We may be the one that stalled (paused, overloaded): our verdicts
+                # about others are not to be trusted until we are healthy again.
+                a.decide(f"gossip: not acting on {member}'s death while unhealthy")
+                continue
             leader = a.view.leader()
             if leader not in (a.cfg.name, None, member):
                 continue  # the leader acts on it
@@ -196,7 +202,10 @@ class Gossip:
                 continue
             self.revoked.add((member, node.lease))
             a.decide(f"gossip: {member} is dead; revoking its lease {node.lease:x}")
-            await a.etcd.revoke(node.lease)
+            try:
+                await a.etcd.revoke(node.lease)
+            except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
+                log.exception("revoking the lease of %s", member)
 
     def members(self) -> agent_pb2.Members:
         if self.swim is None:

@@ -16,18 +16,21 @@ members for tens of protocol periods take about a minute on one core.
 
 Observation: ``deaths`` lists every (time, observer, member) death verdict and
 ``false_deaths`` those about a member that was in fact up (or only paused);
+``first_refusal`` when each refusing member first refused a message;
 ``watch(member)`` records when each observer first saw each state of it, and
 each meta version.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypermesh.agent.broadcast import DEAD
 from hypermesh.agent.gossip_config import GossipConfig
@@ -86,6 +89,7 @@ class SimNet:
         self.deaths: list[tuple[float, str, str]] = []
         self.false_deaths: list[tuple[float, str, str]] = []
         self.transitions: Counter[tuple[str, str]] = Counter()
+        self.first_refusal: dict[str, float] = {}  # member -> first send it refused
         self._rng = random.Random(seed)
         self.names = [f"n{i}" for i in range(n)]
         self.index = {name: i for i, name in enumerate(self.names)}
@@ -93,14 +97,20 @@ class SimNet:
         roster = Roster(list(zip(self.names, addresses, strict=True)), start)
         use_roster = roster if bootstrap == "roster" else None
         self.nodes = [
-            Swim(name, addresses[i], self.cfg, random.Random(seed * 1_000_003 + i), start,
-                 roster=use_roster)
+            Swim(
+                name,
+                addresses[i],
+                self.cfg,
+                random.Random(seed * 1_000_003 + i),
+                start,
+                roster=use_roster,
+            )
             for i, name in enumerate(self.names)
         ]
         self.status = [UP] * n
         self._group = [0] * n
         self._inbox: dict[int, list[tuple[int, Message]]] = {}
-        self._heap: list[tuple[float, int, int, int, object]] = []
+        self._heap: list[tuple[float, int, int, int, Any]] = []
         self._seq = 0
         self._sched = [_INF] * n
         self._watches: dict[str, Watch] = {}
@@ -110,7 +120,7 @@ class SimNet:
             seed_pair = [(self.names[0], addresses[0])]
             for i in range(1, n):
                 at = start + (i / n) * self.cfg.protocol_period
-                self.at(at, lambda i=i: self._call(i, self.nodes[i].join(seed_pair, self.now)))
+                self.at(at, functools.partial(self._join, i, seed_pair))
 
     # ---------------------------------------------------------------- control
 
@@ -125,7 +135,7 @@ class SimNet:
             when, _, kind, i, payload = heapq.heappop(heap)
             self.now = when
             if kind == _DELIVER:
-                src, msg = payload  # type: ignore[misc]
+                src, msg = payload
                 self._deliver(src, i, msg)
             elif kind == _TICK:
                 if when == self._sched[i]:
@@ -133,11 +143,11 @@ class SimNet:
                     if self.status[i] == UP:
                         self._call(i, self.nodes[i].tick(when))
             elif kind == _FAIL:
-                to, refused = payload  # type: ignore[misc]
+                to, refused = payload
                 if self.status[i] == UP:
                     self._call(i, self.nodes[i].send_failed(to, when, refused))
             else:
-                payload()  # type: ignore[operator]
+                payload()
         self.now = max(self.now, t)
 
     def run_periods(self, periods: float) -> None:
@@ -159,6 +169,17 @@ class SimNet:
         self._call(i, self.nodes[i].tick(self.now))
         for src, msg in self._inbox.pop(i, []):
             self._deliver(src, i, msg)
+
+    def set_meta(self, name: str, meta: dict[str, Any]) -> None:
+        """``name`` publishes new meta now."""
+        i = self.index[name]
+        self.nodes[i].set_meta(meta, self.now)
+        self._call(i, [])
+
+    def leave(self, name: str) -> None:
+        """``name`` leaves gracefully now (it keeps running until crashed)."""
+        i = self.index[name]
+        self._call(i, self.nodes[i].leave(self.now))
 
     def partition(self, groups: Iterable[Iterable[str]]) -> None:
         """Cut the network into ``groups``; members not named form one more group."""
@@ -191,9 +212,12 @@ class SimNet:
 
     # ---------------------------------------------------------------- machinery
 
-    def _push(self, t: float, kind: int, i: int, payload: object) -> None:
+    def _push(self, t: float, kind: int, i: int, payload: Any) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, i, payload))
+
+    def _join(self, i: int, seeds: list[tuple[str, str]]) -> None:
+        self._call(i, self.nodes[i].join(seeds, self.now))
 
     def _reschedule(self, i: int) -> None:
         d = self.nodes[i].next_deadline()
@@ -233,14 +257,14 @@ class SimNet:
             if dst is None or (self.loss and rng.random() < self.loss):
                 stats.lost += 1
                 continue
-            self._push(self.now + lo + (hi - lo) * rng.random(), _DELIVER, dst,
-                       (src, out.message))
+            self._push(self.now + lo + (hi - lo) * rng.random(), _DELIVER, dst, (src, out.message))
 
     def _deliver(self, src: int, dst: int, msg: Message) -> None:
         status = self.status[dst]
         if self._group[src] != self._group[dst] or status == SILENT:
             self.stats.lost += 1
         elif status == REFUSING:
+            self.first_refusal.setdefault(self.names[dst], self.now)
             if self.status[src] == UP:
                 self._call(src, self.nodes[src].send_failed(self.names[dst], self.now, True))
         elif status == PAUSED:

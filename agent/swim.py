@@ -26,9 +26,16 @@ The protocol, per member:
 
 Refused connections (``send_failed(refused=True)``) are the fast path: the
 target is probed through k others at once, and when ``refused_quorum`` members
-(this one included) saw it refuse, it is declared dead on the spot — typically
-one network round trip after the first message to a crashed member. A silent
-member (stopped, partitioned) never refuses, so it waits out the suspicion.
+(this one included) saw it refuse, it is declared dead on the spot — about two
+network round trips after the first message to a crashed member. A silent
+member (stopped, partitioned) never refuses, so it waits out the suspicion; the
+transport must therefore say ``refused`` only for an actively refused connection
+(ECONNREFUSED), never for a timeout or an unreachable host.
+
+Two additions to memberlist's rules, both against false deaths: a suspicion
+that nobody confirmed gets one last probe (carrying the suspicion) before it
+becomes a death, and a member that hears an accusation it already refuted sends
+its refutation round again.
 """
 
 from __future__ import annotations
@@ -44,9 +51,12 @@ from typing import Any
 from hypermesh.agent.broadcast import (
     ALIVE,
     DEAD,
+    KINDS,
     LEFT,
     SUSPECT,
     BroadcastQueue,
+    Message,
+    Outgoing,
     Update,
     encode_meta,
 )
@@ -75,80 +85,9 @@ __all__ = [
     "supersedes",
 ]
 
-KINDS = ("ping", "ack", "nack", "ping_req", "push_pull", "push_pull_reply", "gossip")
 _LIVE = (ALIVE, SUSPECT)
 _GONE = (DEAD, LEFT)
 _INF = math.inf
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One one-way protocol message. ``refused`` marks a nack whose target refused."""
-
-    kind: str
-    sender: str
-    sender_addr: str
-    seq: int = 0
-    target: str = ""
-    target_addr: str = ""
-    updates: tuple[Update, ...] = ()
-    table: tuple[Update, ...] = ()
-    refused: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        """A compact JSON-able dict; fields at their defaults are left out."""
-        out: dict[str, Any] = {"k": self.kind, "f": self.sender, "fa": self.sender_addr}
-        if self.seq:
-            out["q"] = self.seq
-        if self.target:
-            out["t"] = self.target
-        if self.target_addr:
-            out["ta"] = self.target_addr
-        if self.updates:
-            out["u"] = [u.to_wire() for u in self.updates]
-        if self.table:
-            out["tb"] = [u.to_wire() for u in self.table]
-        if self.refused:
-            out["r"] = 1
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Message:
-        """Inverse of :meth:`to_json`; raises ValueError on anything malformed."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a message is an object, got {type(data).__name__}")
-        kind = data.get("k")
-        if kind not in KINDS:
-            raise ValueError(f"unknown message kind {kind!r}; expected one of {KINDS}")
-        strings = {key: data.get(key, "") for key in ("f", "fa", "t", "ta")}
-        if not all(isinstance(v, str) for v in strings.values()) or not strings["f"]:
-            raise ValueError("sender, addresses and target must be strings (sender non-empty)")
-        seq = data.get("q", 0)
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            raise ValueError(f"seq must be an integer, got {seq!r}")
-        rows = {key: data.get(key, []) for key in ("u", "tb")}
-        if not all(isinstance(v, list) for v in rows.values()):
-            raise ValueError("updates and table must be lists")
-        return cls(
-            kind=kind,
-            sender=strings["f"],
-            sender_addr=strings["fa"],
-            seq=seq,
-            target=strings["t"],
-            target_addr=strings["ta"],
-            updates=tuple(Update.from_wire(r) for r in rows["u"]),
-            table=tuple(Update.from_wire(r) for r in rows["tb"]),
-            refused=bool(data.get("r", 0)),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """A message the transport must send to member ``to`` at ``address``."""
-
-    to: str
-    address: str
-    message: Message
 
 
 @dataclass(frozen=True)
@@ -192,7 +131,12 @@ class _Member:
     __slots__ = ("address", "incarnation", "meta_json", "meta_version", "row", "since", "state")
 
     def __init__(
-        self, address: str, state: str, incarnation: int, meta_version: int, meta_json: str,
+        self,
+        address: str,
+        state: str,
+        incarnation: int,
+        meta_version: int,
+        meta_json: str,
         since: float,
     ) -> None:
         self.address = address
@@ -486,8 +430,11 @@ class Swim:
         return out
 
     def send_failed(self, to: str, now: float, refused: bool) -> list[Outgoing]:
-        """The transport could not deliver a message to ``to``; ``refused``: the
-        connection was refused (nothing listens there any more)."""
+        """The transport could not deliver a message to ``to``.
+
+        ``refused``: the connection was actively refused (nothing listens there any
+        more); then ``to`` is probed through others at once. Any failure of our
+        direct probe of ``to`` moves that probe to its indirect stage early."""
         out: list[Outgoing] = []
         handled = False
         seq = self._probing.get(to)
@@ -533,10 +480,13 @@ class Swim:
             return out
         self._left = True
         self._record(self.name, ALIVE, LEFT, now)
-        self._store(self.name, _Member(self.address, LEFT, self._incarnation,
-                                       self._meta_version, self._meta_json, now))
-        self._queue.push(Update(self.name, self.address, LEFT, self._incarnation,
-                                source=self.name))
+        self._store(
+            self.name,
+            _Member(
+                self.address, LEFT, self._incarnation, self._meta_version, self._meta_json, now
+            ),
+        )
+        self._queue.push(Update(self.name, self.address, LEFT, self._incarnation, source=self.name))
         for p in list(self._probes.values()):
             self._end_probe(p)
         self._next_probe = self._next_push_pull = self._next_reconnect = _INF
@@ -560,8 +510,7 @@ class Swim:
         self._probing[target] = probe.seq
         out.append(self._ping(target, rec, probe.seq))
 
-    def _start_fast_probe(self, target: str, rec: _Member, now: float,
-                          out: list[Outgoing]) -> None:
+    def _start_fast_probe(self, target: str, rec: _Member, now: float, out: list[Outgoing]) -> None:
         if target in self._probing:
             return
         window = self.cfg.protocol_period - self.cfg.probe_timeout
@@ -599,13 +548,22 @@ class Swim:
 
     def _go_indirect(self, probe: _Probe, now: float, out: list[Outgoing]) -> None:
         probe.indirect = True
-        helpers = self._random_members(self.cfg.indirect_checks, (self.name, probe.target),
-                                       (ALIVE,))
+        helpers = self._random_members(
+            self.cfg.indirect_checks, (self.name, probe.target), (ALIVE,)
+        )
         for helper in helpers:
             rec = self._table.get(helper)
             assert rec is not None
-            out.append(self._send(helper, rec.address, "ping_req", seq=probe.seq,
-                                  target=probe.target, target_addr=probe.address))
+            out.append(
+                self._send(
+                    helper,
+                    rec.address,
+                    "ping_req",
+                    seq=probe.seq,
+                    target=probe.target,
+                    target_addr=probe.address,
+                )
+            )
         probe.sent = len(helpers)
         probe.via = set(helpers)
         self._check_refused(probe, now, out)
@@ -633,8 +591,9 @@ class Swim:
 
     def _fail_target(self, probe: _Probe, now: float) -> None:
         if probe.verify and self._verifying.pop(probe.target, None) is not None:
-            self._declare_dead(probe.target, now, "suspicion timeout, unconfirmed, last probe "
-                                                  "failed")
+            self._declare_dead(
+                probe.target, now, "suspicion timeout, unconfirmed, last probe failed"
+            )
         else:
             self._suspect(probe.target, now)
 
@@ -652,13 +611,18 @@ class Swim:
             rec = self._table.get(probe.target)
             if susp is not None and rec is not None and rec.state == SUSPECT:
                 # It answered but its refutation did not reach us: give it a new term.
-                self._hold_suspicion(probe.target, Suspicion(
-                    now, susp.accuser, susp.k, susp.min_timeout, susp.max_timeout))
+                self._hold_suspicion(
+                    probe.target,
+                    Suspicion(now, susp.accuser, susp.k, susp.min_timeout, susp.max_timeout),
+                )
             return
         relay = self._relays.pop(msg.seq, None)
         if relay is not None and msg.sender == relay.target:
-            out.append(self._send(relay.requester, relay.requester_addr, "ack", seq=relay.seq,
-                                  target=relay.target))
+            out.append(
+                self._send(
+                    relay.requester, relay.requester_addr, "ack", seq=relay.seq, target=relay.target
+                )
+            )
 
     def _on_nack(self, msg: Message, now: float, out: list[Outgoing]) -> None:
         probe = self._probes.get(msg.seq)
@@ -674,14 +638,14 @@ class Swim:
         if not msg.target or msg.target == self.name:
             return
         seq = self._new_seq()
-        self._relays[seq] = _Relay(msg.sender, msg.sender_addr, msg.seq, msg.target,
-                                   now + self.cfg.probe_timeout)
+        self._relays[seq] = _Relay(
+            msg.sender, msg.sender_addr, msg.seq, msg.target, now + self.cfg.probe_timeout
+        )
         rec = self._table.get(msg.target)
         if rec is not None and rec.state == SUSPECT:
             out.append(self._ping(msg.target, rec, seq))
         else:
-            out.append(self._send(msg.target, msg.target_addr, "ping", seq=seq,
-                                  target=msg.target))
+            out.append(self._send(msg.target, msg.target_addr, "ping", seq=seq, target=msg.target))
 
     def _expire_relays(self, now: float, out: list[Outgoing]) -> None:
         for seq, relay in list(self._relays.items()):
@@ -690,8 +654,15 @@ class Swim:
                 out.append(self._nack(relay, False))
 
     def _nack(self, relay: _Relay, refused: bool) -> Outgoing:
-        msg = Message("nack", self.name, self.address, seq=relay.seq, target=relay.target,
-                      updates=self._piggyback(), refused=refused)
+        msg = Message(
+            "nack",
+            self.name,
+            self.address,
+            seq=relay.seq,
+            target=relay.target,
+            updates=self._piggyback(),
+            refused=refused,
+        )
         return Outgoing(relay.requester, relay.requester_addr, msg)
 
     def _on_late_tick(self, now: float) -> None:
@@ -716,20 +687,25 @@ class Swim:
     def _suspect(self, target: str, now: float) -> None:
         rec = self._table.get(target)
         if rec is not None and rec.state in _LIVE:
-            self._apply(Update(target, rec.address, SUSPECT, rec.incarnation,
-                               source=self.name), now, gossip=True)
+            self._apply(
+                Update(target, rec.address, SUSPECT, rec.incarnation, source=self.name),
+                now,
+                gossip=True,
+            )
 
     def _declare_dead(self, target: str, now: float, reason: str) -> None:
         rec = self._table.get(target)
         if rec is not None and rec.state in _LIVE:
             self.log.append((now, target, "declared-dead", reason))
-            self._apply(Update(target, rec.address, DEAD, rec.incarnation, source=self.name),
-                        now, gossip=True)
+            self._apply(
+                Update(target, rec.address, DEAD, rec.incarnation, source=self.name),
+                now,
+                gossip=True,
+            )
 
     def _suspicion_next(self) -> float:
         if self._susp_dirty:
-            self._susp_next = min((s.deadline() for s in self._suspicions.values()),
-                                  default=_INF)
+            self._susp_next = min((s.deadline() for s in self._suspicions.values()), default=_INF)
             self._susp_dirty = False
         return self._susp_next
 
@@ -752,8 +728,9 @@ class Swim:
                 continue
             self._drop_suspicion(member)
             if susp.confirmers:
-                self._declare_dead(member, now, f"suspicion timeout, {len(susp.confirmers)} "
-                                                "confirmations")
+                self._declare_dead(
+                    member, now, f"suspicion timeout, {len(susp.confirmers)} confirmations"
+                )
                 continue
             self._verifying[member] = susp
             seq = self._probing.get(member)
@@ -764,8 +741,9 @@ class Swim:
             assert rec is not None
             period = health_scaled(self.cfg.protocol_period, self._awareness)
             timeout = health_scaled(self.cfg.probe_timeout, self._awareness)
-            probe = _Probe(self._new_seq(), member, rec.address, now + timeout, now + period,
-                           verify=True)
+            probe = _Probe(
+                self._new_seq(), member, rec.address, now + timeout, now + period, verify=True
+            )
             self._probes[probe.seq] = probe
             self._probing[member] = probe.seq
             out.append(self._ping(member, rec, probe.seq))
@@ -782,8 +760,9 @@ class Swim:
             if u.state != ALIVE:
                 return  # suspicions and deaths of strangers are no news to act on
             meta = u.meta_json if u.meta_json is not None else "{}"
-            self._store(u.member, _Member(u.address, ALIVE, u.incarnation, u.meta_version,
-                                          meta, now))
+            self._store(
+                u.member, _Member(u.address, ALIVE, u.incarnation, u.meta_version, meta, now)
+            )
             self._record(u.member, "", ALIVE, now)
             self._meta_changed[u.member] = None
         elif u.state == ALIVE:
@@ -791,15 +770,26 @@ class Swim:
                 return
         elif u.state == SUSPECT and cur.state == SUSPECT and u.incarnation >= cur.incarnation:
             if u.incarnation > cur.incarnation:
-                self._store(u.member, _Member(cur.address, SUSPECT, u.incarnation,
-                                              cur.meta_version, cur.meta_json, cur.since))
+                self._store(
+                    u.member,
+                    _Member(
+                        cur.address,
+                        SUSPECT,
+                        u.incarnation,
+                        cur.meta_version,
+                        cur.meta_json,
+                        cur.since,
+                    ),
+                )
             susp = self._suspicions.get(u.member)
             if susp is None or not susp.confirm(u.source):
                 return
             self._susp_next = min(self._susp_next, susp.deadline())
         elif supersedes(u.state, u.incarnation, cur.state, cur.incarnation):
-            self._store(u.member, _Member(cur.address, u.state, u.incarnation,
-                                          cur.meta_version, cur.meta_json, now))
+            self._store(
+                u.member,
+                _Member(cur.address, u.state, u.incarnation, cur.meta_version, cur.meta_json, now),
+            )
             self._record(u.member, cur.state, u.state, now)
             self._drop_suspicion(u.member)
             if u.state == SUSPECT:
@@ -820,15 +810,22 @@ class Swim:
         version = u.meta_version if take_meta else cur.meta_version
         if u.incarnation > cur.incarnation:
             since = cur.since if cur.state == ALIVE else now
-            self._store(u.member, _Member(u.address, ALIVE, u.incarnation, version, meta_json,
-                                          since))
+            self._store(
+                u.member, _Member(u.address, ALIVE, u.incarnation, version, meta_json, since)
+            )
             self._drop_suspicion(u.member)
             if cur.state != ALIVE:
                 self._record(u.member, cur.state, ALIVE, now)
-        elif (u.incarnation == cur.incarnation and u.meta_version > cur.meta_version
-              and take_meta and cur.state in _LIVE):
-            self._store(u.member, _Member(cur.address, cur.state, cur.incarnation, version,
-                                          meta_json, cur.since))
+        elif (
+            u.incarnation == cur.incarnation
+            and u.meta_version > cur.meta_version
+            and take_meta
+            and cur.state in _LIVE
+        ):
+            self._store(
+                u.member,
+                _Member(cur.address, cur.state, cur.incarnation, version, meta_json, cur.since),
+            )
         else:
             return False
         if take_meta and meta_json != cur.meta_json:
@@ -926,16 +923,34 @@ class Swim:
             susp = self._suspicions.get(target)
             accuser = susp.accuser if susp else self.name
             updates.append(Update(target, rec.address, SUSPECT, rec.incarnation, source=accuser))
-        updates += self._queue.take(self.cfg.max_piggyback - len(updates),
-                                    self._retransmit_limit(), skip=target if updates else "")
-        msg = Message("ping", self.name, self.address, seq=seq, target=target,
-                      updates=tuple(updates))
+        updates += self._queue.take(
+            self.cfg.max_piggyback - len(updates),
+            self._retransmit_limit(),
+            skip=target if updates else "",
+        )
+        msg = Message(
+            "ping", self.name, self.address, seq=seq, target=target, updates=tuple(updates)
+        )
         return Outgoing(target, rec.address, msg)
 
-    def _send(self, to: str, address: str, kind: str, seq: int = 0, target: str = "",
-              target_addr: str = "") -> Outgoing:
-        msg = Message(kind, self.name, self.address, seq=seq, target=target,
-                      target_addr=target_addr, updates=self._piggyback())
+    def _send(
+        self,
+        to: str,
+        address: str,
+        kind: str,
+        seq: int = 0,
+        target: str = "",
+        target_addr: str = "",
+    ) -> Outgoing:
+        msg = Message(
+            kind,
+            self.name,
+            self.address,
+            seq=seq,
+            target=target,
+            target_addr=target_addr,
+            updates=self._piggyback(),
+        )
         return Outgoing(to, address, msg)
 
     def _piggyback(self) -> tuple[Update, ...]:
@@ -950,8 +965,9 @@ class Swim:
             self._limit_cache = (self._n_live, limit)
         return limit
 
-    def _random_members(self, count: int, exclude: tuple[str, ...],
-                        states: tuple[str, ...]) -> list[str]:
+    def _random_members(
+        self, count: int, exclude: tuple[str, ...], states: tuple[str, ...]
+    ) -> list[str]:
         """Up to ``count`` distinct random members in ``states``, none in ``exclude``."""
         size = self._table.size()
         if count <= 0 or size == 0:
@@ -961,13 +977,20 @@ class Swim:
             for _ in range(8 * count + 16):
                 name = self._table.name_at(self._rng.randrange(size))
                 rec = self._table.get(name)
-                if (rec is not None and rec.state in states and name not in exclude
-                        and name not in chosen):
+                if (
+                    rec is not None
+                    and rec.state in states
+                    and name not in exclude
+                    and name not in chosen
+                ):
                     chosen.append(name)
                     if len(chosen) == count:
                         return chosen
-        pool = [n for n, rec in self._table.items()
-                if rec.state in states and n not in exclude and n not in chosen]
+        pool = [
+            n
+            for n, rec in self._table.items()
+            if rec.state in states and n not in exclude and n not in chosen
+        ]
         return chosen + self._rng.sample(pool, min(count - len(chosen), len(pool)))
 
     # ---------------------------------------------------------------- records
@@ -988,9 +1011,17 @@ class Swim:
     def _store_self(self, now: float) -> None:
         rec = self._table.get(self.name)
         since = rec.since if rec is not None else now
-        self._store(self.name, _Member(self.address, LEFT if self._left else ALIVE,
-                                       self._incarnation, self._meta_version, self._meta_json,
-                                       since))
+        self._store(
+            self.name,
+            _Member(
+                self.address,
+                LEFT if self._left else ALIVE,
+                self._incarnation,
+                self._meta_version,
+                self._meta_json,
+                since,
+            ),
+        )
 
     def _record(self, member: str, old: str, new: str, now: float) -> None:
         self._events.append((member, old, new))
@@ -1005,8 +1036,9 @@ class Swim:
             self._table.forget(name)
 
     def _self_update(self) -> Update:
-        return Update(self.name, self.address, ALIVE, self._incarnation, self._meta_version,
-                      self._meta_json)
+        return Update(
+            self.name, self.address, ALIVE, self._incarnation, self._meta_version, self._meta_json
+        )
 
     def _new_seq(self) -> int:
         self._seq += 1
@@ -1015,16 +1047,24 @@ class Swim:
     def _checked_meta(self, meta: dict[str, Any]) -> str:
         text = encode_meta(meta)
         if len(text.encode()) > self.cfg.max_meta_bytes:
-            raise ValueError(f"meta is {len(text.encode())} bytes as JSON; the limit "
-                             f"(max_meta_bytes) is {self.cfg.max_meta_bytes}")
+            raise ValueError(
+                f"meta is {len(text.encode())} bytes as JSON; the limit "
+                f"(max_meta_bytes) is {self.cfg.max_meta_bytes}"
+            )
         return text
 
     def _view(self, name: str, rec: _Member) -> MemberView:
-        return MemberView(name, rec.address, rec.state, rec.incarnation,
-                          dict(_decode(rec.meta_json)), rec.meta_version, rec.since)
+        return MemberView(
+            name,
+            rec.address,
+            rec.state,
+            rec.incarnation,
+            dict(_decode(rec.meta_json)),
+            rec.meta_version,
+            rec.since,
+        )
 
 
 def _decode(meta_json: str) -> dict[str, Any]:
     value = json.loads(meta_json)
     return value if isinstance(value, dict) else {}
-

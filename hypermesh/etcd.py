@@ -158,8 +158,10 @@ class Etcd:
         return int(resp.ID)
 
     async def revoke(self, lease: int) -> None:
+        """Revoke ``lease``, best effort: a lease that is already gone is the goal
+        reached, and an unreachable etcd will expire it by itself."""
         assert self.client.lease is not None
-        with contextlib.suppress(EtcdUnavailable):
+        with contextlib.suppress(EtcdUnavailable, LeaseLost):
             await self._call("lease revoke", self.client.lease.revoke(lease, timeout=self.timeout))
 
     async def keepalive_once(self, lease: int) -> int:

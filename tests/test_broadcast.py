@@ -73,8 +73,14 @@ def test_update_wire_round_trip_drops_trailing_defaults() -> None:
 
 @pytest.mark.parametrize(
     "row",
-    [["a", "b", 0], ["a", "b", 7, 0], ["a", 1, 0, 0], ["a", "b", 0, "1"], ["a", "b", 0, 0, 0, [1]],
-     "abc"],
+    [
+        ["a", "b", 0],
+        ["a", "b", 7, 0],
+        ["a", 1, 0, 0],
+        ["a", "b", 0, "1"],
+        ["a", "b", 0, 0, 0, [1]],
+        "abc",
+    ],
 )
 def test_malformed_rows_are_rejected(row: object) -> None:
     with pytest.raises(ValueError):

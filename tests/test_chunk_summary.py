@@ -73,8 +73,9 @@ def test_folded_deltas_bring_any_replica_in_the_window_up_to_date() -> None:
         assert delta is not None
         wire = ChunkDelta.from_json(json.loads(json.dumps(delta.to_json())))
         result = replica.apply_delta(wire)
-        assert result is (DeltaResult.DUPLICATE if wire.base == wire.version else
-                          DeltaResult.APPLIED)
+        assert result is (
+            DeltaResult.DUPLICATE if wire.base == wire.version else DeltaResult.APPLIED
+        )
         assert replica.digest() == owner.digest()
 
 
@@ -92,8 +93,14 @@ def test_snapshot_round_trip_replaces_a_replica() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"b": 2, "v": 1}, {"b": "0", "v": 1}, {"b": 0, "v": 1, "a": [""]}, {"b": 0, "v": 1, "r": [3]},
-     {"b": -1, "v": 0}, {"b": True, "v": 1}],
+    [
+        {"b": 2, "v": 1},
+        {"b": "0", "v": 1},
+        {"b": 0, "v": 1, "a": [""]},
+        {"b": 0, "v": 1, "r": [3]},
+        {"b": -1, "v": 0},
+        {"b": True, "v": 1},
+    ],
 )
 def test_malformed_deltas_are_rejected(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):

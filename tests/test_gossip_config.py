@@ -25,15 +25,25 @@ def test_lan_timings_fit_a_one_to_three_second_detection_in_a_small_mesh() -> No
 
 def test_local_is_faster_than_lan_for_every_timer() -> None:
     lan, local = GossipConfig.lan(), GossipConfig.local()
-    for name in ("protocol_period", "probe_timeout", "gossip_interval", "push_pull_interval",
-                 "late_tick_threshold", "reconnect_interval"):
+    for name in (
+        "protocol_period",
+        "probe_timeout",
+        "gossip_interval",
+        "push_pull_interval",
+        "late_tick_threshold",
+        "reconnect_interval",
+    ):
         assert getattr(local, name) < getattr(lan, name), name
     assert GossipConfig.local(indirect_checks=1).indirect_checks == 1
 
 
 def test_describe_lists_every_field() -> None:
     d = GossipConfig.lan().describe()
-    assert d["protocol_period"] == 0.5 and "max_piggyback" in d and len(d) == len(dataclasses.fields(GossipConfig))
+    assert (
+        d["protocol_period"] == 0.5
+        and "max_piggyback" in d
+        and len(d) == len(dataclasses.fields(GossipConfig))
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,7 +60,7 @@ def test_describe_lists_every_field() -> None:
         ("max_piggyback", 0, r"max_piggyback must be in \[1, 1024\]"),
         ("push_pull_interval", -1.0, r"push_pull_interval must be in \[0, 86400\]"),
         ("awareness_max", 65, r"awareness_max must be in \[0, 64\]"),
-        ("refused_quorum", 5, r"refused_quorum must be in \[0, 4\]"),
+        ("refused_quorum", 7, r"refused_quorum must be in \[0, 6\]"),
         ("max_meta_bytes", 8, r"max_meta_bytes must be in \[16, 1.04858e\+06\]"),
         ("late_tick_threshold", "1", r"late_tick_threshold must be a number"),
     ],

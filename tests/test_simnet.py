@@ -33,8 +33,7 @@ def test_a_meta_change_reaches_everyone_within_a_few_periods() -> None:
     net.run_periods(2)
     watch = net.watch("n7")
     start = net.now
-    net.nodes[7].set_meta({"free_gpus": 3}, net.now)
-    net.at(net.now, lambda: net._reschedule(7))
+    net.set_meta("n7", {"free_gpus": 3})
     net.run_periods(6)
     seen = watch.meta[1]
     assert set(seen) == set(net.names)  # n7 itself included
@@ -60,28 +59,28 @@ def test_a_silent_crash_is_known_dead_everywhere_within_the_bound(seed: int) -> 
     assert not net.false_deaths
 
 
-def test_a_refused_crash_is_known_dead_within_about_a_period() -> None:
-    net = SimNet(100, CFG, seed=5)
+@pytest.mark.parametrize("seed", [5, 19])
+def test_a_refused_crash_is_known_dead_one_round_trip_after_its_first_refusal(seed: int) -> None:
+    net = SimNet(100, CFG, seed=seed)
     net.run_periods(3)
     watch = net.watch("n9")
-    crash = net.now
     net.crash("n9", refused=True)
-    net.run_periods(10)
+    net.run_periods(20)
     dead = watch.states["dead"]
     assert len(dead) == 99
-    assert min(dead.values()) - crash <= 2.5 * P
-    assert max(dead.values()) - crash <= 6 * P
-    assert "suspect" not in watch.states or min(watch.states["suspect"].values()) >= min(
-        dead.values()) - 1e-9
+    first = net.first_refusal["n9"]
+    round_trip = 2 * net.latency[1]
+    assert min(dead.values()) - first <= 2 * round_trip  # refused, ping_req, refused, nack
+    assert max(dead.values()) - first <= 5 * P  # then gossip; no suspicion is waited out
     assert not net.false_deaths
 
 
 def test_ten_percent_loss_makes_suspicions_but_no_false_deaths() -> None:
-    net = SimNet(100, CFG, seed=6, loss=0.10)
-    net.run_periods(300)
+    net = SimNet(150, CFG, seed=6, loss=0.10)
+    net.run_periods(500)
     assert net.transitions[("alive", "suspect")] > 0  # the loss is felt...
     assert net.false_deaths == []  # ...and refuted in time
-    assert all(node.live_count() == 100 for node in net.nodes)
+    assert all(node.live_count() == 150 for node in net.nodes)
 
 
 def test_a_partition_kills_each_side_for_the_other_and_healing_revives_them() -> None:
@@ -89,17 +88,29 @@ def test_a_partition_kills_each_side_for_the_other_and_healing_revives_them() ->
     net.run_periods(2)
     left, right = net.names[:30], net.names[30:]
     net.partition([left, right])
-    _, high = suspicion_bounds(60, CFG)
-    net.run_until(net.now + high + 10 * P)
-    assert all_see(net, "n0", "dead") is False  # its own side still sees it alive
-    assert net.nodes[40].member("n0").state == "dead"  # type: ignore[union-attr]
-    assert net.nodes[5].member("n50").state == "dead"  # type: ignore[union-attr]
-    assert net.nodes[5].member("n6").state == "alive"  # type: ignore[union-attr]
+
+    def across(state: str) -> bool:
+        return all(
+            net.nodes[net.index[a]].member(b).state == state  # type: ignore[union-attr]
+            for side, other in ((left, right), (right, left))
+            for a in side
+            for b in other
+        )
+
+    # Half the indirect probers are unreachable, so every member's local health
+    # drops (Lifeguard): each side probes, and accuses, more slowly than usual.
+    for _ in range(60):
+        net.run_periods(10)
+        if across("dead"):
+            break
+    assert across("dead")
+    assert all(net.nodes[5].member(b).state == "alive" for b in left)  # type: ignore[union-attr]
+    assert max(node.local_health for node in net.nodes) >= 1
     net.heal()
     net.run_until(net.now + 2 * push_pull_period(60, CFG))
     for node in net.nodes:
         assert node.live_count() == 60, node.name
-        for name in (left[3], right[3]):
+        for name in net.names:
             view = node.member(name)
             assert view is not None and view.state == "alive" and view.incarnation >= 1
 
@@ -111,8 +122,10 @@ def test_a_member_paused_for_less_than_the_suspicion_timeout_is_not_declared_dea
     low, _ = suspicion_bounds(n, CFG)
     watch = net.watch("n11")
     net.pause("n11")
-    net.run_until(net.now + low * 0.7)
-    assert len(watch.states.get("suspect", {})) > 0  # it was missed
+    suspects = watch.states.setdefault("suspect", {})
+    while not suspects:  # paused until it is missed...
+        net.run_periods(0.1)
+    net.run_until(min(suspects.values()) + low * 0.8)  # ...and most of the shortest timeout
     net.resume("n11")
     assert net.nodes[11].local_health >= 1  # its late tick counted against itself
     net.run_periods(20)
@@ -124,7 +137,7 @@ def test_a_member_paused_for_less_than_the_suspicion_timeout_is_not_declared_dea
 def test_a_member_that_leaves_is_seen_left_not_dead() -> None:
     net = SimNet(50, CFG, seed=9)
     net.run_periods(2)
-    net.at(net.now, lambda: net._call(3, net.nodes[3].leave(net.now)))
+    net.leave("n3")
     net.run_periods(3)
     net.crash("n3")
     net.run_periods(30)

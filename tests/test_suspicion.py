@@ -74,24 +74,43 @@ def test_expected_confirmations(n: int, k_cfg: int, expected: int) -> None:
 
 @pytest.mark.parametrize(
     ("n", "mult", "expected"),
-    [(0, 4, 0), (1, 4, 4), (9, 4, 4), (10, 4, 8), (99, 4, 8), (100, 4, 12), (1000, 4, 16),
-     (9999, 4, 16), (10_000, 4, 20), (10_000, 3, 15)],
+    [
+        (0, 4, 0),
+        (1, 4, 4),
+        (9, 4, 4),
+        (10, 4, 8),
+        (99, 4, 8),
+        (100, 4, 12),
+        (1000, 4, 16),
+        (9999, 4, 16),
+        (10_000, 4, 20),
+        (10_000, 3, 15),
+    ],
 )
 def test_retransmit_limit(n: int, mult: int, expected: int) -> None:
     cfg = GossipConfig(retransmit_mult=mult)
     assert retransmit_limit(n, cfg) == expected == mult * math.ceil(math.log10(n + 1))
 
 
-@pytest.mark.parametrize(("seconds", "score", "expected"), [(0.5, 0, 0.5), (0.5, 1, 1.0),
-                                                            (0.2, 7, 1.6)])
+@pytest.mark.parametrize(
+    ("seconds", "score", "expected"), [(0.5, 0, 0.5), (0.5, 1, 1.0), (0.2, 7, 1.6)]
+)
 def test_health_scaled(seconds: float, score: int, expected: float) -> None:
     assert health_scaled(seconds, score) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
     ("n", "interval", "expected"),
-    [(1, 30.0, 30.0), (32, 30.0, 30.0), (33, 30.0, 60.0), (64, 30.0, 60.0), (65, 30.0, 90.0),
-     (1000, 30.0, 180.0), (10_000, 30.0, 300.0), (10_000, 0.0, 0.0)],
+    [
+        (1, 30.0, 30.0),
+        (32, 30.0, 30.0),
+        (33, 30.0, 60.0),
+        (64, 30.0, 60.0),
+        (65, 30.0, 90.0),
+        (1000, 30.0, 180.0),
+        (10_000, 30.0, 300.0),
+        (10_000, 0.0, 0.0),
+    ],
 )
 def test_push_pull_period(n: int, interval: float, expected: float) -> None:
     cfg = GossipConfig(push_pull_interval=interval)

@@ -30,8 +30,9 @@ class Wire:
     """Members wired together in memory: every message arrives at once, unless its
     link is cut, its receiver is down (silent) or refuses connections."""
 
-    def __init__(self, names: Iterable[str], cfg: GossipConfig = CFG, seed: int = 1,
-                 roster: bool = True) -> None:
+    def __init__(
+        self, names: Iterable[str], cfg: GossipConfig = CFG, seed: int = 1, roster: bool = True
+    ) -> None:
         names = list(names)
         self.now = 0.0
         self.cfg = cfg
@@ -109,8 +110,13 @@ def test_message_json_round_trip_is_compact_and_exact() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"k": "shout", "f": "a"}, {"k": "ping"}, {"k": "ping", "f": "a", "q": "1"},
-     {"k": "ping", "f": "a", "u": [["m", "x", 9, 0]]}, {"k": "ping", "f": "a", "u": "x"}],
+    [
+        {"k": "shout", "f": "a"},
+        {"k": "ping"},
+        {"k": "ping", "f": "a", "q": "1"},
+        {"k": "ping", "f": "a", "u": [["m", "x", 9, 0]]},
+        {"k": "ping", "f": "a", "u": "x"},
+    ],
 )
 def test_malformed_messages_are_rejected(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -168,8 +174,11 @@ def test_probe_goes_indirect_after_the_timeout_and_an_indirect_ack_saves_the_tar
     wire.run_until(3.0)
     ping_reqs = [(s, o) for s, o in wire.log if o.message.kind == "ping_req"]
     assert any(s == "a" and o.message.target == "b" for s, o in ping_reqs)
-    forwarded = [o for s, o in wire.log if o.message.kind == "ack" and o.to == "a"
-                 and o.message.target == "b"]
+    forwarded = [
+        o
+        for s, o in wire.log
+        if o.message.kind == "ack" and o.to == "a" and o.message.target == "b"
+    ]
     assert forwarded
     assert wire.state("a", "b") == ALIVE and wire.state("b", "a") == ALIVE
     assert all(e[2] != SUSPECT for n in wire.nodes for e in wire.nodes[n].drain_events())
@@ -235,8 +244,9 @@ def test_unanswered_probe_makes_a_suspect_then_dead_after_the_lifeguard_timeout(
 
 def test_the_last_probe_of_an_unconfirmed_suspicion_fetches_a_missed_refutation() -> None:
     # a suspicion shorter than a period, so that only the last probe can save b
-    cfg = GossipConfig.local(suspicion_mult=0.5, suspicion_max_mult=1.0, push_pull_interval=0.0,
-                             reconnect_interval=0.0)
+    cfg = GossipConfig.local(
+        suspicion_mult=0.5, suspicion_max_mult=1.0, push_pull_interval=0.0, reconnect_interval=0.0
+    )
     wire = Wire(["a", "b", "c"], cfg=cfg)
     a, b = wire.nodes["a"], wire.nodes["b"]
     old = Update("b", "addr-b", SUSPECT, 0, source="c")
@@ -268,12 +278,18 @@ def test_confirmations_from_distinct_members_shorten_the_suspicion() -> None:
     a = wire.nodes["n0"]
     low, high = suspicion_bounds(12, CFG)
     k = CFG.suspicion_confirmations
-    a.receive(Message("gossip", "n1", "x", updates=(Update("n9", "addr-n9", SUSPECT, 0,
-                                                              source="n1"),)), 0.0)
+    a.receive(
+        Message("gossip", "n1", "x", updates=(Update("n9", "addr-n9", SUSPECT, 0, source="n1"),)),
+        0.0,
+    )
     deadlines = []
     for i, source in enumerate(["n1", "n2", "n2", "n3", "n4", "n5", "n6"]):
-        a.receive(Message("gossip", source, "x", updates=(Update("n9", "addr-n9", SUSPECT, 0,
-                                                                   source=source),)), 0.0)
+        a.receive(
+            Message(
+                "gossip", source, "x", updates=(Update("n9", "addr-n9", SUSPECT, 0, source=source),)
+            ),
+            0.0,
+        )
         deadlines.append(a._suspicions["n9"].deadline())
         assert i >= 0
     # n1 accused: no confirmation; n2 confirms once; n3..n5 count until k; n6 is extra
@@ -310,7 +326,9 @@ def test_a_member_declared_dead_refutes_and_comes_back() -> None:
     dead_b = Update("b", "addr-b", DEAD, 0, source="a")
     a.receive(Message("gossip", "c", "x", updates=(dead_b,)), 0.0)
     assert wire.state("a", "b") == DEAD
+    wire.down.add("b")  # b is busy elsewhere for a while (it neither probes nor hears)
     wire.run_until(0.5)
+    wire.down.clear()
     assert wire.state("a", "b") == DEAD  # nobody probes or gossips to the dead...
     b.receive(Message("gossip", "a", "addr-a", updates=(dead_b,)), 0.5)  # ...until b hears it
     assert b.incarnation == 1
@@ -323,13 +341,21 @@ def test_dead_and_left_members_are_not_probed_and_stale_news_is_ignored() -> Non
     wire = Wire(["a", "b", "c", "d"])
     wire.down.update("bd")  # silent: they do not refute
     a = wire.nodes["a"]
-    a.receive(Message("gossip", "c", "x", updates=(
-        Update("b", "addr-b", DEAD, 0, source="c"),
-        Update("d", "addr-d", LEFT, 0, source="d"),
-        Update("zz", "addr-zz", DEAD, 3, source="c"),  # a stranger: ignored
-        Update("b", "addr-b", SUSPECT, 0, source="d"),  # dead beats suspect
-        Update("b", "addr-b", ALIVE, 0),  # not a refutation
-    )), 0.0)
+    a.receive(
+        Message(
+            "gossip",
+            "c",
+            "x",
+            updates=(
+                Update("b", "addr-b", DEAD, 0, source="c"),
+                Update("d", "addr-d", LEFT, 0, source="d"),
+                Update("zz", "addr-zz", DEAD, 3, source="c"),  # a stranger: ignored
+                Update("b", "addr-b", SUSPECT, 0, source="d"),  # dead beats suspect
+                Update("b", "addr-b", ALIVE, 0),  # not a refutation
+            ),
+        ),
+        0.0,
+    )
     assert wire.state("a", "b") == DEAD and wire.state("a", "d") == LEFT
     assert a.member("zz") is None
     wire.run_until(2.0)
@@ -378,11 +404,19 @@ def test_push_pull_repairs_a_member_table() -> None:
     wire = Wire(["a", "b"], cfg=cfg)
     a, b = wire.nodes["a"], wire.nodes["b"]
     # what gossip lost: b never heard of x, of y's death, or of a's new meta
-    a.receive(Message("gossip", "q", "x", updates=(Update.alive("x", "addr-x", 2, 1, {"k": 1}),
-                                                     Update("y", "addr-y", ALIVE, 0))), 0.0)
+    a.receive(
+        Message(
+            "gossip",
+            "q",
+            "x",
+            updates=(Update.alive("x", "addr-x", 2, 1, {"k": 1}), Update("y", "addr-y", ALIVE, 0)),
+        ),
+        0.0,
+    )
     b.receive(Message("gossip", "q", "x", updates=(Update("y", "addr-y", ALIVE, 0),)), 0.0)
-    a.receive(Message("gossip", "q", "x", updates=(Update("y", "addr-y", DEAD, 0,
-                                                          source="q"),)), 0.0)
+    a.receive(
+        Message("gossip", "q", "x", updates=(Update("y", "addr-y", DEAD, 0, source="q"),)), 0.0
+    )
     a._meta_json, a._meta_version = '{"load":3}', 5
     a._store_self(0.0)
     wire.deliver("a", [a._push_pull("b", "addr-b")])
@@ -522,8 +556,9 @@ def test_a_refused_gossip_message_triggers_a_probe_of_its_receiver() -> None:
     wire = Wire(["a", "b", "c", "d"])
     wire.refusing.add("d")
     out = wire.nodes["a"].send_failed("d", 0.0, refused=True)
-    assert {o.message.kind for o in out} == {"ping_req"} and all(o.message.target == "d"
-                                                                 for o in out)
+    assert {o.message.kind for o in out} == {"ping_req"} and all(
+        o.message.target == "d" for o in out
+    )
     wire.deliver("a", out)
     assert wire.state("a", "d") == DEAD
 
@@ -552,3 +587,38 @@ def test_a_relay_nacks_when_the_target_is_silent_and_refused_when_it_refuses() -
     b.receive(req, 1.0)
     out = b.send_failed("c", 1.0, refused=True)
     assert [(o.to, o.message.kind, o.message.refused) for o in out] == [("a", "nack", True)]
+
+
+def test_a_sick_member_gives_its_own_accusations_longer_to_be_refuted() -> None:
+    names = [f"n{i}" for i in range(8)]
+    healthy, sick = Wire(names), Wire(names)
+    sick.nodes["n0"]._awareness = 3
+    for wire in (healthy, sick):
+        wire.nodes["n0"].receive(
+            Message(
+                "gossip", "n1", "x", updates=(Update("n5", "addr-n5", SUSPECT, 0, source="n0"),)
+            ),
+            0.0,
+        )
+    _, high = suspicion_bounds(8, CFG)
+    assert healthy.nodes["n0"]._suspicions["n5"].deadline() == pytest.approx(high)
+    assert sick.nodes["n0"]._suspicions["n5"].deadline() == pytest.approx(4 * high)
+    # an accusation by someone else is not stretched by our own health
+    sick.nodes["n0"].receive(
+        Message("gossip", "n1", "x", updates=(Update("n6", "addr-n6", SUSPECT, 0, source="n1"),)),
+        0.0,
+    )
+    assert sick.nodes["n0"]._suspicions["n6"].deadline() == pytest.approx(high)
+
+
+def test_a_stale_accusation_makes_the_accused_repeat_its_refutation() -> None:
+    wire = Wire(["a", "b", "c"])
+    b = wire.nodes["b"]
+    old = Update("b", "addr-b", SUSPECT, 0, source="a")
+    b.receive(Message("gossip", "a", "addr-a", updates=(old,)), 0.0)
+    advance(b, 1.0)
+    assert "b" not in b._queue and b.incarnation == 1
+    health = b.local_health
+    out = b.receive(Message("ping", "c", "addr-c", seq=3, target="b", updates=(old,)), 1.0)
+    assert b.incarnation == 1 and b.local_health == health  # no new incarnation, no penalty
+    assert [(u.member, u.state, u.incarnation) for u in out[0].message.updates] == [("b", ALIVE, 1)]

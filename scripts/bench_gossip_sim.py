@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Gossip (SWIM + Lifeguard) figures from the in-process simulation, lan preset.
+
+    bench_gossip_sim.py [--sizes 1000,10000] [--seeds 3] [--small-seeds 20]
+                        [--loss-nodes 1000] [--loss-periods 1000] [--json]
+
+Everything runs in ``agent/simnet.py`` on a virtual clock: one-way latency
+uniform in 0.5-2 ms, every member ticked exactly when it asks. Times are in
+protocol periods (0.5 s in the lan preset) unless marked as seconds.
+
+spread: after 3 quiet periods one member changes its meta; periods until every
+other member holds the new version.
+
+silent crash: then one member stops answering (a crash, a pulled cable);
+periods from the crash until the first member suspects it, until the first
+declares it dead, and until every member knows it dead.
+
+refused crash: ten quiet periods later, another member's port refuses
+connections (a killed process on a live host); seconds until the first and the
+last member know it dead. Quiet: only pings find it, no gossip in flight.
+
+small meshes: the same two crashes at 10 and 50 members (seconds).
+
+loss: 10% of all messages lost, independently; false deaths (a member declared
+dead while running) over ``--loss-periods`` periods, and the wall time.
+
+bytes: every message as ``len(json.dumps(message.to_json()))`` (compact
+separators), per member per period: quiet (pings and acks only), while the
+scenarios above run, and under loss.
+
+Medians over seeds, with every sample in ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.simnet import SimNet
+from hypermesh.agent.suspicion import (
+    expected_confirmations,
+    retransmit_limit,
+    suspicion_bounds,
+)
+
+META = {
+    "running": 3,
+    "slots": 8,
+    "free_slots": 5,
+    "gpus": 4,
+    "free_gpus": 1.0,
+    "chunks": {"v": 17, "d": "9f2c61be04aa7d31"},
+}
+
+
+def bytes_since(net: SimNet, mark: tuple[int, float]) -> float:
+    """Bytes per member per period since ``mark`` (bytes, time)."""
+    elapsed = (net.now - mark[1]) / net.cfg.protocol_period
+    return (net.stats.bytes - mark[0]) / len(net.nodes) / elapsed if elapsed > 0 else 0.0
+
+
+def run_until_seen(
+    net: SimNet, seen: dict[str, float], want: int, limit_periods: float, step: float = 0.25
+) -> None:
+    end = net.now + limit_periods * net.cfg.protocol_period
+    while len(seen) < want and net.now < end:
+        net.run_periods(step)
+
+
+def scenario(n: int, seed: int, cfg: GossipConfig, measure_bytes: bool = True) -> dict[str, Any]:
+    """Spread, silent crash and refused crash in one mesh of ``n`` members."""
+    period = cfg.protocol_period
+    wall = time.perf_counter()
+    net = SimNet(n, cfg, seed=seed, measure_bytes=measure_bytes)
+    net.run_periods(3)
+    quiet = (net.stats.bytes, net.now)
+    net.run_periods(4)
+    out: dict[str, Any] = {"n": n, "seed": seed, "quiet_bytes": bytes_since(net, quiet)}
+    busy = (net.stats.bytes, net.now)
+
+    src = net.names[1]
+    watch = net.watch(src)
+    start = net.now
+    net.set_meta(src, META)
+    seen = watch.meta.setdefault(1, {})
+    run_until_seen(net, seen, n, 40)
+    others = [t for name, t in seen.items() if name != src]
+    out["spread"] = (max(others) - start) / period if len(others) == n - 1 else None
+    net.run_periods(2)
+
+    victim = net.names[2]
+    watch = net.watch(victim)
+    crash = net.now
+    net.crash(victim)
+    dead = watch.states.setdefault("dead", {})
+    run_until_seen(net, dead, n - 1, 80, step=1.0)
+    suspects = watch.states.get("suspect", {})
+    out["first_suspect"] = (min(suspects.values()) - crash) / period if suspects else None
+    out["first_dead"] = (min(dead.values()) - crash) / period if dead else None
+    out["all_dead"] = (max(dead.values()) - crash) / period if len(dead) == n - 1 else None
+    net.run_periods(10)  # let the gossip die down: only pings find the next crash
+
+    victim = net.names[3]
+    watch = net.watch(victim)
+    crash = net.now
+    net.crash(victim, refused=True)
+    dead = watch.states.setdefault("dead", {})
+    run_until_seen(net, dead, n - 2, 20, step=0.1)
+    out["refused_first_s"] = min(dead.values()) - crash if dead else None
+    out["refused_all_s"] = max(dead.values()) - crash if len(dead) == n - 2 else None
+    out["busy_bytes"] = bytes_since(net, busy)
+    out["false_deaths"] = len(net.false_deaths)
+    out["periods"] = net.now / period
+    out["wall_s"] = time.perf_counter() - wall
+    return out
+
+
+def small_mesh(n: int, seed: int, cfg: GossipConfig) -> dict[str, Any]:
+    """Seconds to a death verdict in a small mesh, silent and refused."""
+    net = SimNet(n, cfg, seed=seed)
+    net.run_periods(4)
+    out: dict[str, Any] = {"n": n, "seed": seed}
+    for key, victim, refused in (("silent", net.names[1], False), ("refused", net.names[2], True)):
+        watch = net.watch(victim)
+        crash = net.now
+        net.crash(victim, refused=refused)
+        dead = watch.states.setdefault("dead", {})
+        run_until_seen(net, dead, len(net.up()), 60, step=0.1)
+        out[f"{key}_first_s"] = min(dead.values()) - crash if dead else None
+        out[f"{key}_all_s"] = max(dead.values()) - crash if len(dead) == len(net.up()) else None
+        net.run_periods(10)
+    out["false_deaths"] = len(net.false_deaths)
+    return out
+
+
+def loss_run(n: int, periods: int, seed: int, cfg: GossipConfig) -> dict[str, Any]:
+    """False deaths at 10% loss; bytes measured over the last tenth of the run."""
+    wall = time.perf_counter()
+    net = SimNet(n, cfg, seed=seed, loss=0.10)
+    net.run_periods(periods * 0.9)
+    net.measure_bytes = True
+    mark = (net.stats.bytes, net.now)
+    msgs = net.stats.messages
+    net.run_periods(periods * 0.1)
+    tail_periods = (net.now - mark[1]) / cfg.protocol_period
+    return {
+        "n": n,
+        "periods": periods,
+        "seed": seed,
+        "false_deaths": len(net.false_deaths),
+        "false_death_samples": net.false_deaths[:10],
+        "suspicions": net.transitions[("alive", "suspect")],
+        "refutations": net.transitions[("suspect", "alive")],
+        "bytes": bytes_since(net, mark),
+        "messages": (net.stats.messages - msgs) / n / tail_periods,
+        "wall_s": time.perf_counter() - wall,
+    }
+
+
+def med(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="1000,10000", help="mesh sizes, comma-separated")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per size")
+    parser.add_argument("--small-seeds", type=int, default=20, help="seeds per small mesh")
+    parser.add_argument("--loss-nodes", type=int, default=1000)
+    parser.add_argument("--loss-periods", type=int, default=1000, help="0 skips the loss run")
+    parser.add_argument("--json", action="store_true", help="print every sample as JSON")
+    opts = parser.parse_args()
+    cfg = GossipConfig.lan()
+    sizes = [int(s) for s in opts.sizes.split(",") if s]
+    report: dict[str, Any] = {
+        "config": cfg.describe(),
+        "derived": {},
+        "meshes": [],
+        "small": [],
+        "loss": None,
+    }
+    for n in sizes:
+        low, high = suspicion_bounds(n, cfg)
+        report["derived"][n] = {
+            "suspicion_min_periods": low / cfg.protocol_period,
+            "suspicion_max_periods": high / cfg.protocol_period,
+            "confirmations_k": expected_confirmations(n, cfg),
+            "retransmit_limit": retransmit_limit(n, cfg),
+        }
+        for seed in range(1, opts.seeds + 1):
+            row = scenario(n, seed, cfg)
+            report["meshes"].append(row)
+            print(f"# n={n} seed={seed}: {row}", file=sys.stderr, flush=True)
+    for n in (10, 50):
+        for seed in range(1, opts.small_seeds + 1):
+            report["small"].append(small_mesh(n, seed, cfg))
+    if opts.loss_periods:
+        report["loss"] = loss_run(opts.loss_nodes, opts.loss_periods, 1, cfg)
+        print(f"# loss: {report['loss']}", file=sys.stderr, flush=True)
+    if opts.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+
+    print(
+        f"lan preset: period {cfg.protocol_period} s, probe timeout {cfg.probe_timeout} s, "
+        f"k={cfg.indirect_checks}, alpha={cfg.suspicion_mult}, beta={cfg.suspicion_max_mult}, "
+        f"K={cfg.suspicion_confirmations}, lambda={cfg.retransmit_mult}, gossip every "
+        f"{cfg.gossip_interval} s to {cfg.gossip_fanout}, {cfg.max_piggyback} updates/msg"
+    )
+    print()
+    print(
+        "| members | seeds | spread | first suspect | first dead | all dead | refused first "
+        "(s) | refused all (s) | B/member/period quiet | busy | false deaths | wall (s) |"
+    )
+    print("| ---: " * 12 + "|")
+    for n in sizes:
+        rows = [r for r in report["meshes"] if r["n"] == n]
+        print(
+            f"| {n} | {len(rows)} | {fmt(med(rows, 'spread'))} | "
+            f"{fmt(med(rows, 'first_suspect'))} | {fmt(med(rows, 'first_dead'))} | "
+            f"{fmt(med(rows, 'all_dead'))} | {fmt(med(rows, 'refused_first_s'), 2)} | "
+            f"{fmt(med(rows, 'refused_all_s'), 2)} | {fmt(med(rows, 'quiet_bytes'), 0)} | "
+            f"{fmt(med(rows, 'busy_bytes'), 0)} | {sum(r['false_deaths'] for r in rows)} | "
+            f"{fmt(med(rows, 'wall_s'), 0)} |"
+        )
+        worst = max((r["all_dead"] or 1e9) for r in rows)
+        print(
+            f"|   | worst | {fmt(max((r['spread'] or 1e9) for r in rows))} | | | "
+            f"{fmt(worst)} | | {fmt(max((r['refused_all_s'] or 1e9) for r in rows), 2)} "
+            "| | | | |"
+        )
+    print()
+    print("small meshes (seconds; median / max over seeds)")
+    print("| members | silent first | silent all | refused first | refused all | false deaths |")
+    print("| ---: " * 6 + "|")
+    for n in (10, 50):
+        rows = [r for r in report["small"] if r["n"] == n]
+        cells = []
+        for key in ("silent_first_s", "silent_all_s", "refused_first_s", "refused_all_s"):
+            worst_value = max((r[key] if r[key] is not None else 1e9) for r in rows)
+            cells.append(f"{fmt(med(rows, key), 2)} / {fmt(worst_value, 2)}")
+        print(f"| {n} | " + " | ".join(cells) + f" | {sum(r['false_deaths'] for r in rows)} |")
+    loss = report["loss"]
+    if loss:
+        print()
+        print(
+            f"10% loss, {loss['n']} members, {loss['periods']} periods: "
+            f"{loss['false_deaths']} false deaths, {loss['suspicions']} suspicion events "
+            f"(observer x member), {loss['messages']:.1f} messages and "
+            f"{loss['bytes']:.0f} bytes per member per period, {loss['wall_s']:.0f} s wall"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
