@@ -168,7 +168,7 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "--leader-ttl",
     type=int,
     default=None,
-    help="Seconds until a silent leader is replaced [default: 2].",
+    help="Seconds until a silent leader is replaced, at most [default: 5].",
 )
 @click.option(
     "--spot-notice-url",

@@ -57,13 +57,15 @@ class AgentConfig:
     """Seconds a task has between SIGTERM and SIGKILL when cancelled, timed out or
     drained (0-3600)."""
 
-    leader_ttl: int = 2
+    leader_ttl: int = 5
     """Seconds after which a silent leader's candidacy expires and the next agent
     leads (2-60; etcd's smallest lease is about 2 s). Leadership sits on its own
-    short lease, apart from the node lease, so a dead leader is replaced within
-    seconds while a node's claims survive short etcd hiccups. Every leader action
-    is a guarded, idempotent transaction, so two agents that briefly both believe
-    they lead cannot break an invariant."""
+    short lease, apart from the node lease. Usually gossip replaces a dead leader
+    sooner: its node lease is revoked on the verdict, and a candidate whose node
+    is not registered does not lead; this TTL is the bound when gossip cannot
+    decide. Lower: that bound shrinks, and every agent renews more often (an idle
+    cost). Every leader action is a guarded, idempotent transaction, so two agents
+    that briefly both believe they lead cannot break an invariant."""
 
     spot_notice_url: str = SPOT_NOTICE_URL
     """Where a ``--spot`` agent polls for the cloud's interruption notice (EC2's
