@@ -47,10 +47,10 @@ def _encode(out: Outgoing) -> bytes:
 
 def refused(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed call means nothing listens at the address (the process is gone)."""
+    # Only ECONNREFUSED: an unreachable or partitioned host times out or reports
+    # "no route", and must go through suspicion like any silent member.
     details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and (
-        "refused" in details or "failed to connect" in details
-    )
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details
 
 
 class Gossip:
@@ -107,10 +107,7 @@ class Gossip:
 
     def _has_peers(self) -> bool:
         assert self.swim is not None
-        me = self.agent.cfg.name
-        return any(
-            m.name != me and m.state in ("alive", "suspect") for m in self.swim.members().values()
-        )
+        return self.swim.live_count() > 1  # someone besides this node
 
     # ------------------------------------------------------------------ messages
     def receive(self, payload: bytes) -> list[bytes]:

@@ -10,7 +10,7 @@ Presets:
 * :meth:`GossipConfig.lan` — the default for machines on one network: a dead
   member is known everywhere within about 1-3 s in a small mesh (0.5 s protocol
   period), within 15 periods at 1,000 members and 20 at 10,000 (see
-  ``docs/gossip_sim.md``); a member whose port refuses connections is known
+  ``docs/benchmarks.md``); a member whose port refuses connections is known
   dead within about one period.
 * :meth:`GossipConfig.local` — ten times faster timers, for tests that drive the
   protocol with a virtual clock.

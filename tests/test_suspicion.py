@@ -17,8 +17,6 @@ from hypermesh.agent.suspicion import (
     suspicion_timeout,
 )
 
-LAN = GossipConfig.lan()  # period 0.5 s, alpha 2, beta 4, K 4, lambda 4, push-pull 30 s
-
 
 @pytest.mark.parametrize(
     ("n", "alpha", "period", "expected"),
