@@ -29,6 +29,16 @@ DEFAULT_ETCD = "http://127.0.0.1:2379"
 MAX_TXN_OPS = 120
 
 
+def _cancelled(exc: BaseException) -> bool:
+    """Whether an error is really our own cancellation in disguise: grpc.aio reports a
+    call cancelled under a cancelled task as an RPC error with status CANCELLED.
+    Swallowing it would keep a stopping agent alive forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.CANCELLED
+
+
 def parse_endpoints(urls: str) -> list[str]:
     """``http://h1:2379,h2:2379`` -> ``["h1:2379", "h2:2379"]``; names a bad entry."""
     endpoints = []
@@ -84,6 +94,8 @@ class Etcd:
         try:
             return await coro
         except grpc.aio.AioRpcError as exc:
+            if _cancelled(exc):
+                raise asyncio.CancelledError from exc
             if exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (
                 exc.details() or ""
             ):
@@ -173,6 +185,8 @@ class Etcd:
                 async for response in stream:
                     return int(response.TTL)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            if _cancelled(exc):
+                raise asyncio.CancelledError from exc
             raise EtcdUnavailable(f"lease keepalive failed: {exc}") from exc
         finally:
             stream.cancel()
@@ -221,6 +235,8 @@ class Etcd:
                     if on_renewed is not None:
                         on_renewed(last_ok)
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                if _cancelled(exc):
+                    raise asyncio.CancelledError from exc
                 log.warning("lease %x keep-alive: %s", lease, exc)
             finally:
                 stream.cancel()
@@ -278,6 +294,8 @@ class Etcd:
                 else:
                     log.warning("watch on %s ended; resuming at %d", prefix, revision + 1)
             except (EtcdUnavailable, EtcdError, grpc.aio.AioRpcError) as exc:
+                if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
+                    raise asyncio.CancelledError from exc
                 log.warning("mirror of %s: %s; retrying in %.1fs", prefix, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
