@@ -39,6 +39,7 @@ CHANNEL_OPTIONS = [
 ]
 META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
+BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -192,17 +193,33 @@ class Gossip:
                 a.decide(f"gossip: not acting on {member}'s death while unhealthy")
                 continue
             leader = a.view.leader()
+            delay = 0.0
             if leader not in (a.cfg.name, None, member):
-                continue  # the leader acts on it
+                # The leader acts on it; we step in only if it has not after a while
+                # (it may be unhealthy itself, or not have reached the verdict yet).
+                delay = BACKUP_REVOKE_PERIODS * self.cfg.protocol_period
             node = a.view.nodes.get(member)
             if node is None or (member, node.lease) in self.revoked:
                 continue
             self.revoked.add((member, node.lease))
-            a.decide(f"gossip: {member} is dead; revoking its lease {node.lease:x}")
-            try:
-                await a.etcd.revoke(node.lease)
-            except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
-                log.exception("revoking the lease of %s", member)
+            task = asyncio.create_task(self._revoke(member, node.lease, delay))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    async def _revoke(self, member: str, lease: int, delay: float) -> None:
+        a = self.agent
+        if delay:
+            await asyncio.sleep(delay)
+            node = a.view.nodes.get(member)
+            alive = self.swim is not None and (m := self.swim.member(member)) is not None
+            if node is None or node.lease != lease or (alive and m.state == "alive"):
+                return  # revoked by the leader meanwhile, or refuted
+            a.decide(f"gossip: {member} is dead and the leader has not acted; revoking")
+        a.decide(f"gossip: {member} is dead; revoking its lease {lease:x}")
+        try:
+            await a.etcd.revoke(lease)
+        except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
+            log.exception("revoking the lease of %s", member)
 
     def members(self) -> agent_pb2.Members:
         if self.swim is None:
