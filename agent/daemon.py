@@ -92,7 +92,6 @@ class Agent:
         self.decisions: collections.deque[str] = collections.deque(maxlen=200)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._drained = asyncio.Event()
         self._lease_lost = asyncio.Event()
         self._mirror_ready = asyncio.Event()
         self._leader_dirty = True
@@ -187,7 +186,6 @@ class Agent:
             await self._server.stop(grace=1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
-            self._drained.set()
             self.decide("stopped")
 
     def _task_died(self, task: asyncio.Task[Any]) -> None:
@@ -207,9 +205,6 @@ class Agent:
     def _on_spot_notice(self, notice: spot.Notice) -> None:
         grace = spot.drain_grace(notice, time.time(), self.cfg.kill_grace)
         self.request_drain(grace, f"spot interruption notice ({notice.action}); draining")
-
-    async def wait_drained(self) -> None:
-        await self._drained.wait()
 
     async def _register(self) -> None:
         self.lease = await self.etcd.grant(self.cfg.lease_ttl)

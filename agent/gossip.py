@@ -91,8 +91,9 @@ class Gossip:
         finally:
             for task in list(self._sends):
                 task.cancel()
-            for channel in self.channels.values():
-                await channel.close()
+            closing = [channel.close() for channel in self.channels.values()]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*closing), 2.0)
 
     async def leave(self) -> None:
         """Tell peers this node leaves on purpose (drain), best effort."""

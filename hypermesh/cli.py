@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import sys
 import time
@@ -240,7 +241,19 @@ def agent_start(
     except UsageError as exc:
         _err(f"error: {exc}")
         sys.exit(2)
-    run_async(Agent(cfg, mesh.endpoints, mesh.ks.namespace).run)()
+    agent_ = Agent(cfg, mesh.endpoints, mesh.ks.namespace)
+
+    async def run_then_exit() -> None:
+        await agent_.run()
+        # Drained: leases revoked, claims released, state in etcd. Exit now rather than
+        # wait for asyncio to unwind grpc's internals, which can stall a stopping
+        # process (and keep a spot machine from going) for no benefit.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    run_async(run_then_exit)()
 
 
 # ---------------------------------------------------------------------- submit

@@ -1,9 +1,10 @@
 """One exception hierarchy for all of hypermesh.
 
 Two axes matter to callers: whether retrying can help (``TransientError``) or
-not (``FatalError``), and the coordination cases that change what a node may do
-(``LeaseLost``, ``NotLeader``, ``ClaimLost``). Translation to exit codes (CLI),
-gRPC status codes (agent) and errno (chunkfs) happens only at those edges.
+not (``FatalError``), and the coordination case that changes what a node may do
+(``LeaseLost``; a lost claim shows as a fenced write that did not apply).
+Translation to exit codes (CLI), gRPC status codes (agent) and errno (chunkfs)
+happens only at those edges.
 """
 
 from __future__ import annotations
@@ -37,14 +38,6 @@ class EtcdUnavailable(TransientError):
 
 class LeaseLost(HypermeshError):
     """This node's etcd lease expired or was revoked; its claims are gone."""
-
-
-class ClaimLost(HypermeshError):
-    """A fenced write failed because the task's claim is no longer ours."""
-
-
-class NotLeader(HypermeshError):
-    """A leader-only action was attempted by a node that does not lead."""
 
 
 @dataclass(frozen=True, order=True)

@@ -124,12 +124,6 @@ class Etcd:
         resp = await self._call("put", self.kv.put(key, value, lease=lease, timeout=self.timeout))
         return int(resp.header.revision)
 
-    async def delete_prefix(self, prefix: str) -> None:
-        await self._call(
-            "delete",
-            self.kv.delete(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout),
-        )
-
     async def txn(
         self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()
     ) -> TxnResult:
