@@ -18,6 +18,7 @@ on 127.0.0.1 and is stopped at the end.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -30,7 +31,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hypermesh.cli import load_view
+from hypermesh.etcd import Etcd, parse_endpoints
+from hypermesh.keyspace import Keyspace
 from hypermesh.localmesh import AgentProcess, LocalMesh, hypermesh_command, wait_for
+
+
+def tasks_of(env: dict[str, str], wid: str) -> list[dict[str, Any]]:
+    """``hypermesh tasks WID --json``, read in-process: polling through a new CLI
+    process every 0.25 s would itself load the 2-core machine and skew the timings."""
+
+    async def read() -> list[dict[str, Any]]:
+        ks = Keyspace(env["HYPERMESH_NAMESPACE"])
+        async with Etcd(parse_endpoints(env["HYPERMESH_ETCD"])) as etcd:
+            view = await load_view(etcd, ks, wid)
+        return [view.task_json(ref) for ref in view.task_refs(wid)]
+
+    return asyncio.run(read())
 
 
 def cli(env: dict[str, str], *args: str) -> Any:
@@ -78,11 +95,11 @@ def recovery(
     )
     wid = submit(env, recipe)
     wait_for(
-        lambda: all(t["state"] == "running" for t in cli(env, "tasks", wid)), 60, "tasks to run"
+        lambda: all(t["state"] == "running" for t in tasks_of(env, wid)), 60, "tasks to run"
     )
     samples: list[float] = []
     for i in range(kills):
-        tasks = cli(env, "tasks", wid)
+        tasks = tasks_of(env, wid)
         busy = sorted({t["node"] for t in tasks if t["state"] == "running"})
         victim_name = rng.choice(busy)
         held = {t["id"]: len(t["attempts"]) for t in tasks if t["node"] == victim_name}
@@ -99,7 +116,7 @@ def recovery(
             victim_name: str = victim_name,
             killed_at: float = killed_at,
         ) -> list[float] | None:
-            now = {t["id"]: t for t in cli(env, "tasks", wid)}
+            now = {t["id"]: t for t in tasks_of(env, wid)}
             starts = []
             for task_id, n in held.items():
                 attempts = now[task_id]["attempts"]
@@ -148,7 +165,7 @@ def failover(mesh: LocalMesh, env: dict[str, str], root: Path, rounds: int) -> l
         wid = submit(env, recipe)
 
         def started(wid: str = wid) -> float | None:
-            attempts = cli(env, "tasks", wid)
+            attempts = tasks_of(env, wid)
             if attempts and attempts[0]["attempts"]:
                 return float(attempts[0]["attempts"][0]["started_at"])
             return None
