@@ -10,7 +10,6 @@ claims, running tasks are stopped with a grace period and handed back.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -89,7 +88,6 @@ class Agent:
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
-        self.decisions: collections.deque[str] = collections.deque(maxlen=200)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
@@ -117,8 +115,8 @@ class Agent:
         )
 
     def decide(self, message: str) -> None:
-        """Keep a short decision log (claimed, lost lease, result rejected...)."""
-        self.decisions.append(f"{time.time():.3f} {message}")
+        """The node's decision log (claimed, lost lease, result rejected...), one
+        line each in the agent's log, which tests and operators read."""
         log.info("%s: %s", self.cfg.name, message)
 
     @property

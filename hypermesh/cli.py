@@ -485,9 +485,6 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     if via and via not in view.nodes:
         raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
     gossip = await gossip_view(view.nodes[asked].address) if asked else {}
-    running: dict[str, int] = {}
-    for c in view.claims.values():
-        running[c.node] = running.get(c.node, 0) + 1
     rows = [
         {
             "name": n.name,
@@ -496,7 +493,7 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
             "pool": n.pool,
             "spot": n.spot,
             "slots": n.slots,
-            "running": running.get(n.name, 0),
+            "running": len(view.running_on(n.name)),
             "gpus": n.gpus,
             "gpu_type": n.gpu_type,
             "cpus": n.cpus,

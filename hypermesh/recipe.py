@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -175,6 +176,11 @@ class Recipe:
 
     def topological_order(self) -> list[str]:
         """Experiment names with every dependency before its dependents, ties in file order."""
+        return list(self._topological)
+
+    @cached_property
+    def _topological(self) -> tuple[str, ...]:
+        # Computed once per recipe: the scheduler asks on every claim.
         done: list[str] = []
         waiting = list(self.experiments)
         while waiting:
@@ -183,7 +189,7 @@ class Recipe:
                 raise ValueError(f"dependency cycle among {[e.name for e in waiting]}")
             done.append(ready.name)
             waiting.remove(ready)
-        return done
+        return tuple(done)
 
     def with_seed(self, seed: int) -> Recipe:
         """A copy of this recipe with the top-level ``seed`` set to ``seed``."""

@@ -12,10 +12,11 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
@@ -117,4 +118,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     setattr(item, f"rep_{rep.when}", rep)
 
 
-WaitFor = Callable[..., Any]
+def task_pid(agent: AgentProcess, task_id: str, attempt: int = 1, timeout: float = 30) -> int:
+    """The pid a test task wrote to ``$HM_ATTEMPT_DIR/pid``, once it has started."""
+    pid_file = agent.work_dir / "attempts" / task_id / str(attempt) / "pid"
+    wait_for(
+        lambda: pid_file.exists() and pid_file.read_text().strip(),
+        timeout,
+        f"{task_id} attempt {attempt} to start on {agent.name}",
+    )
+    return int(pid_file.read_text())
+
+
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie waiting to be reaped counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -7,10 +7,8 @@ import os
 import signal
 import time
 
-import psutil
-
 from hypermesh.localmesh import wait_for
-from tests.conftest import Mesh
+from tests.conftest import Mesh, process_gone, task_pid
 
 
 def gossip_state(mesh: Mesh, via: str, member: str) -> str | None:
@@ -90,9 +88,7 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    pid_file = cut_off.work_dir / "attempts" / f"{wid}.one.0" / "1" / "pid"
-    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the task on node3")
-    pid = int(pid_file.read_text())
+    pid = task_pid(cut_off, f"{wid}.one.0")
     assert cut_off.proc is not None
     os.kill(cut_off.proc.pid, signal.SIGSTOP)  # silent, as if cut off from the network
     try:
@@ -104,7 +100,7 @@ experiments:
         os.kill(cut_off.proc.pid, signal.SIGCONT)
     wait_for(lambda: "result rejected" in cut_off.log_tail(50000), 20, "node3's result rejected")
     wait_for(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        lambda: process_gone(pid),
         15,
         "node3's orphaned task to be killed",
     )

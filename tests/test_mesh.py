@@ -15,11 +15,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from hypermesh.localmesh import EtcdCluster, wait_for
-from tests.conftest import Mesh
+from tests.conftest import Mesh, process_gone, task_pid
 
 
 def successes(task: dict) -> int:
@@ -98,9 +97,7 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    pid_file = paused.work_dir / "attempts" / f"{wid}.one.0" / "1" / "pid"
-    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the task to start")
-    pid = int(pid_file.read_text())
+    pid = task_pid(paused, f"{wid}.one.0")
     assert paused.proc is not None
     os.kill(paused.proc.pid, signal.SIGSTOP)  # the node freezes past its 3 s lease
     try:
@@ -111,7 +108,7 @@ experiments:
         os.kill(paused.proc.pid, signal.SIGCONT)
     # Back from the pause, node1 finds its lease gone and kills its orphaned process...
     wait_for(
-        lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+        lambda: process_gone(pid),
         15,
         "the orphaned process to be killed",
     )

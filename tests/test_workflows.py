@@ -9,13 +9,12 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import yaml
 
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace
 from hypermesh.localmesh import EtcdServer, wait_for
-from tests.conftest import Mesh
+from tests.conftest import Mesh, process_gone, task_pid
 
 
 def attempts_of(tasks: list[dict], experiment: str) -> list[dict]:
@@ -177,11 +176,8 @@ experiments:
         return running if len(running) == 2 else None
 
     running = wait_for(two_running, 30, "two running tasks", interval=0.2)
-    work = mesh.agents["node1"].work_dir
-    pid_files = [work / "attempts" / t["id"] / "1" / "pid" for t in running]  # type: ignore[union-attr]
-    wait_for(lambda: all(p.exists() and p.read_text().strip() for p in pid_files), 10, "pid files")
-    pids = [int(p.read_text()) for p in pid_files]
-    assert all(psutil.pid_exists(pid) for pid in pids)
+    pids = [task_pid(mesh.agents["node1"], t["id"]) for t in running]  # type: ignore[union-attr]
+    assert not any(process_gone(pid) for pid in pids)
 
     result = mesh.hm("cancel", wid, check=True)
     assert "cancelled" in result.stderr
@@ -190,9 +186,8 @@ experiments:
 
     def all_stopped() -> bool:
         tasks = mesh.hm_json("tasks", wid)
-        return all(t["state"] == "cancelled" for t in tasks) and not any(
-            psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            for pid in pids
+        return all(t["state"] == "cancelled" for t in tasks) and all(
+            process_gone(pid) for pid in pids
         )
 
     wait_for(all_stopped, 20, "cancelled tasks to stop")
@@ -346,10 +341,9 @@ experiments:
     )
     wid = mesh.submit(recipe)
     wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "task to run")
-    pid_file = first.work_dir / "attempts" / f"{wid}.survive.0" / "1" / "pid"
-    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 10, "pid file")
+    pid = task_pid(first, f"{wid}.survive.0")
     first.kill()  # the machine died: no drain, no lease revoke
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)  # and its processes with it
+    os.kill(pid, signal.SIGKILL)  # and its processes with it
     mesh.agent("node2")
     status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
     assert status["state"] == "succeeded"  # a node loss does not count against retries: 0
@@ -449,9 +443,7 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    pid_file = agent.work_dir / "attempts" / f"{wid}.fenced.0" / "1" / "pid"
-    wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 30, "the task to start")
-    pid = int(pid_file.read_text())
+    pid = task_pid(agent, f"{wid}.fenced.0")
 
     async def revoke() -> None:
         async with Etcd([mesh.etcd.url.split("//")[1]]) as etcd:
@@ -462,7 +454,7 @@ experiments:
     asyncio.run(revoke())  # what the leader does to a node it believes dead
     status = mesh.wait_state(wid, {"succeeded", "failed"})
     assert status["state"] == "succeeded"
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert process_gone(pid)
     (task,) = mesh.hm_json("tasks", wid)
     assert [(a["attempt"], a["state"], a["reason"]) for a in task["attempts"]] == [
         (1, "failed", "node-lost"),
