@@ -169,6 +169,8 @@ class Gossip:
             "free_gpus": max(0.0, a.machine.gpus - gpus_used),
             "state": a.state,
             "cached_bytes": 0,  # chunk caches arrive with chunkfs
+            # Lifeguard local health: peers skip waiting for a sick leader to act
+            "health": self.swim.local_health if self.swim is not None else 0,
         }
 
     def _publish_load(self, now: float) -> None:
@@ -183,8 +185,10 @@ class Gossip:
         assert self.swim is not None
         a = self.agent
         for member, old, new in self.swim.drain_events():
-            if new in ("suspect", "dead"):
-                a.decide(f"gossip: {member} {old} -> {new}")
+            if old:  # a first sighting ("" -> alive) is not a decision
+                health = self.swim.local_health
+                sick = f" [local health {health}]" if health else ""
+                a.decide(f"gossip: {member} {old} -> {new}{self._reason(member, new)}{sick}")
             if new != "dead" or member == a.cfg.name:
                 continue
             unhealthy = self.swim.local_health > self.cfg.awareness_max // 2
@@ -195,7 +199,7 @@ class Gossip:
                 continue
             leader = a.view.leader()
             delay = 0.0
-            if leader not in (a.cfg.name, None, member):
+            if leader not in (a.cfg.name, None, member) and not self._sick(leader):
                 # The leader acts on it; we step in only if it has not after a while
                 # (it may be unhealthy itself, or not have reached the verdict yet).
                 delay = BACKUP_REVOKE_PERIODS * self.cfg.protocol_period
@@ -206,6 +210,22 @@ class Gossip:
             task = asyncio.create_task(self._revoke(member, node.lease, delay))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
+
+    def _sick(self, member: str) -> bool:
+        """Whether ``member`` last gossiped a local health too poor to act on deaths."""
+        assert self.swim is not None
+        view = self.swim.member(member)
+        health = view.meta.get("health", 0) if view is not None else 0
+        return isinstance(health, int) and health > self.cfg.awareness_max // 2
+
+    def _reason(self, member: str, new: str) -> str:
+        """Why this member declared ``member`` dead itself (empty when it heard it)."""
+        assert self.swim is not None
+        if new == "dead":
+            for _, who, what, why in reversed(self.swim.log):
+                if who == member and what == "declared-dead":
+                    return f" ({why})"
+        return ""
 
     async def _revoke(self, member: str, lease: int, delay: float) -> None:
         a = self.agent

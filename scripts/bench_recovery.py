@@ -137,12 +137,20 @@ def recovery(
             os.kill(victim.proc.pid, signal.SIGCONT)
 
             # Back, it finds its lease revoked, kills its orphans, rejects its own
-            # late results and rejoins; wait for that before the next round.
+            # late results and rejoins. The next round starts from a settled mesh, as
+            # a real preemption would find it: every member alive and healthy again
+            # (the resumed node's local health rose while it was stopped and refuted).
             def rejoined(name: str = victim_name, agent: AgentProcess = victim) -> bool:
-                listed = {n["name"]: n["gossip"] for n in cli(env, "nodes")}
-                return listed.get(name) == "alive" and "rejoined" in agent.log_tail(4000)
+                nodes = cli(env, "nodes")
+                listed = {n["name"]: n["gossip"] for n in nodes}
+                healthy = all((n["load"] or {}).get("health", 0) == 0 for n in nodes)
+                return (
+                    listed.get(name) == "alive"
+                    and healthy
+                    and "rejoined" in agent.log_tail(4000)
+                )
 
-            wait_for(rejoined, 60, f"{victim_name} to rejoin")
+            wait_for(rejoined, 90, f"{victim_name} to rejoin and the mesh to settle")
         else:
             victim.start()
     subprocess.run([*hypermesh_command(), "cancel", wid], env=env, capture_output=True, check=True)

@@ -256,6 +256,7 @@ def test_the_last_probe_of_an_unconfirmed_suspicion_fetches_a_missed_refutation(
     wire.now = a.next_deadline()
     wire.deliver("a", a.tick(wire.now))
     a.receive(Message("gossip", "c", "addr-c", updates=(old,)), wire.now)
+    a._to_confirm.clear()  # no out-of-turn probe either: only the last probe is left
     deadline = a._suspicions["b"].deadline()
     wire.cut.add(frozenset("ab"))  # a's gossip of the suspicion does not reach b...
     while a.next_deadline() < deadline:
@@ -589,7 +590,7 @@ def test_a_relay_nacks_when_the_target_is_silent_and_refused_when_it_refuses() -
     assert [(o.to, o.message.kind, o.message.refused) for o in out] == [("a", "nack", True)]
 
 
-def test_a_sick_member_gives_its_own_accusations_longer_to_be_refuted() -> None:
+def test_a_sick_member_gives_its_own_lone_accusations_longer_to_be_refuted() -> None:
     names = [f"n{i}" for i in range(8)]
     healthy, sick = Wire(names), Wire(names)
     sick.nodes["n0"]._awareness = 3
@@ -609,6 +610,32 @@ def test_a_sick_member_gives_its_own_accusations_longer_to_be_refuted() -> None:
         0.0,
     )
     assert sick.nodes["n0"]._suspicions["n6"].deadline() == pytest.approx(high)
+    # independent confirmations bring our own accusation down to the healthy minimum
+    low, _ = suspicion_bounds(8, CFG)
+    for who in ("n2", "n3", "n4", "n6"):
+        update = Update("n5", "addr-n5", SUSPECT, 0, source=who)
+        sick.nodes["n0"].receive(Message("gossip", who, "x", updates=(update,)), 0.1)
+    assert sick.nodes["n0"]._suspicions["n5"].deadline() == pytest.approx(low)
+
+
+def test_an_accusation_heard_from_another_is_checked_out_of_turn() -> None:
+    wire = Wire(["a", "b", "c"])
+    a = wire.nodes["a"]
+    a.receive(
+        Message("gossip", "c", "addr-c", updates=(Update("b", "addr-b", SUSPECT, 0, source="c"),)),
+        0.0,
+    )
+    assert a.next_deadline() < 0.0  # due at once
+    wire.down.add("b")
+    wire.now = 0.001
+    out = a.tick(wire.now)
+    assert [(o.to, o.message.kind) for o in out if o.message.kind == "ping"] == [("b", "ping")]
+    wire.deliver("a", out)
+    # b is silent: a's own verdict confirms c's, and the suspicion is at its shortest
+    wire.run_until(1.5 * CFG.protocol_period)
+    susp = a._suspicions["b"]
+    assert susp.confirmers == {"a"}
+    assert susp.deadline() == pytest.approx(susp.start + suspicion_bounds(3, CFG)[0])
 
 
 def test_a_stale_accusation_makes_the_accused_repeat_its_refutation() -> None:
