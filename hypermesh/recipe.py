@@ -120,6 +120,8 @@ class Experiment:
     uses is a parameter or a built-in. ``after`` names experiments of the same recipe, without
     cycles. ``env`` is the full environment the recipe asks for: the recipe's top-level ``env``
     overlaid with the experiment's own. ``samples`` is set whenever a range parameter exists.
+    ``data`` maps an alias (an identifier) to a data set, ``NAME`` (its newest version when
+    the task starts) or ``NAME@VERSION``; the agent mounts each and tells the task where.
     """
 
     name: str
@@ -135,12 +137,14 @@ class Experiment:
     framework: str | None = None
     image: str | None = None
     seed: int | None = None
+    data: Mapping[str, str] = field(default_factory=FrozenMap)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
         object.__setattr__(self, "parameters", tuple(self.parameters))
         object.__setattr__(self, "after", tuple(self.after))
         object.__setattr__(self, "env", FrozenMap(self.env))
+        object.__setattr__(self, "data", FrozenMap(self.data))
 
     def parameter(self, name: str) -> Parameter:
         """The parameter called ``name``; raises ``NotFound`` if there is none."""
@@ -233,12 +237,14 @@ def _jsonable(value: Any) -> Any:
 
 _EXPERIMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_DATASET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # as chunkfs.format names them
+_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
 
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
-    "timeout", "framework", "image", "seed",
+    "timeout", "framework", "image", "seed", "data",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory")
@@ -330,14 +336,41 @@ class _Checker(_NodeChecker):
         framework = optional("framework", self.string)
         image = optional("image", self.string)
         seed = optional("seed", self.integer)
+        data = optional("data", self.data) or {}
         if len(self.problems) > before or command is None:
             return None
         return Experiment(
             name=name, command=command, parameters=tuple(parameters), samples=samples,
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
-            seed=seed,
+            seed=seed, data=data,
         )
+
+    # ------------------------------------------------------------------ data sets
+    def data(self, node: _Node, path: str) -> dict[str, str] | None:
+        entries = self.mapping(node, path, "a mapping of alias: DATASET[@VERSION]")
+        if entries is None:
+            return None
+        result: dict[str, str] = {}
+        for alias, item in entries.items():
+            if not _IDENTIFIER.fullmatch(alias):
+                self.report(item.key_line, f"{path}.{alias}", "an alias is a letter or '_' "
+                            "followed by letters, digits or '_' (it names HM_DATA_<ALIAS>)")
+                continue
+            spec = self.string(item.node, f"{path}.{alias}")
+            if spec is None:
+                continue
+            name, _, version = spec.partition("@")
+            if not _DATASET.fullmatch(name) or ("@" in spec and not _VERSION.fullmatch(version)):
+                self.at(item.node, f"{path}.{alias}", f"{spec!r} is not DATASET or "
+                        "DATASET@VERSION (names: letters, digits, '.', '_', '-')")
+                continue
+            if alias.upper() in {a.upper() for a in result}:
+                self.report(item.key_line, f"{path}.{alias}", "two aliases differ only in case; "
+                            "both would be HM_DATA_" + alias.upper())
+                continue
+            result[alias] = spec
+        return result
 
     # ------------------------------------------------------------------ command
     def command(

@@ -799,3 +799,37 @@ def test_load_recipe_names_the_path_as_given(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as info:
         load_recipe(str(path))
     assert [(p.source, p.line) for p in info.value.problems] == [(str(path), 4)]
+
+
+def test_data_sets_map_aliases_to_names_and_versions() -> None:
+    exp = one_experiment(
+        """
+        command: train
+        data:
+          coco: coco
+          val_set: imagenet-1k@20261122T101010000000Z-0123456789ab
+        """
+    )
+    assert dict(exp.data) == {
+        "coco": "coco",
+        "val_set": "imagenet-1k@20261122T101010000000Z-0123456789ab",
+    }
+    recipe = Recipe(experiments=(exp,))
+    assert Recipe.from_json(json.loads(json.dumps(recipe.to_json()))) == recipe
+    assert dict(one_experiment("command: x").data) == {}
+
+
+@pytest.mark.parametrize(
+    ("data", "line", "path"),
+    [
+        ("data: coco", 4, "experiments.e.data"),
+        ("data:\n  9lives: coco", 5, "experiments.e.data.9lives"),
+        ("data:\n  coco: 'my data'", 5, "experiments.e.data.coco"),
+        ("data:\n  coco: coco@", 5, "experiments.e.data.coco"),
+        ("data:\n  coco: [a, b]", 5, "experiments.e.data.coco"),
+        ("data:\n  coco: a\n  COCO: b", 6, "experiments.e.data.COCO"),
+    ],
+)
+def test_bad_data_sets_name_the_alias_and_line(data: str, line: int, path: str) -> None:
+    text = "experiments:\n  e:\n    command: x\n" + textwrap.indent(data, "    ") + "\n"
+    assert (line, path) in located(text)
