@@ -24,7 +24,7 @@ from pathlib import Path
 from hypermesh.chunkfs import format as fmt
 from hypermesh.chunkfs.format import ChunkInfo, Root
 from hypermesh.chunkfs.manifest import Manifest, decode_root
-from hypermesh.chunkfs.store import ObjectStore
+from hypermesh.chunkfs.store import ObjectStore, retry_transient
 
 from hypermesh.errors import CorruptData, FatalError, NoSuchObject, NotFound, UsageError
 
@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 _ROOTS = "datasets/"
+RETRY_S = 60.0  # how long one chunk read is retried on transient errors
 
 
 def parse_spec(spec: str) -> tuple[str, str | None]:
@@ -187,12 +188,14 @@ def get_dataset(
     dest_dir: str | os.PathLike[str],
     *,
     parallel: int = 8,
+    retry_s: float = RETRY_S,
 ) -> Root:
     """Download ``spec`` into ``dest_dir`` (which must not exist or be empty).
 
     Every byte is verified before it is written: a bad chunk raises ``CorruptData``
-    naming it (the files it feeds are left incomplete). Modes and mtimes are restored;
-    directories get theirs last.
+    naming it (the files it feeds are left incomplete). Chunk reads are retried on
+    transient errors for up to ``retry_s`` seconds each. Modes and mtimes are
+    restored; directories get theirs last.
     """
     if parallel < 1:
         raise UsageError(f"parallel must be at least 1, not {parallel}")
@@ -225,7 +228,7 @@ def get_dataset(
 
     # Pass 2: chunks, in parallel, each verified and then written where it belongs.
     def fetch(index: int) -> None:
-        data = read_chunk(store, root.chunks[index])
+        data = retry_transient(lambda: read_chunk(store, root.chunks[index]), retry_s)
         view = memoryview(data)
         for path, chunk_offset, length, file_offset in feeds[index]:
             if chunk_offset + length > len(data):

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 from hypermesh.chunkfs import format as fmt
 from hypermesh.chunkfs.format import (
@@ -61,7 +62,7 @@ from hypermesh.chunkfs.format import (
     Root,
 )
 from hypermesh.chunkfs.manifest import encode_page, encode_root, page_digest, version_name
-from hypermesh.chunkfs.store import ObjectStore
+from hypermesh.chunkfs.store import ObjectStore, retry_transient
 
 from hypermesh.errors import FatalError, UsageError
 
@@ -70,6 +71,10 @@ __all__ = ["PutProgress", "block_list_of", "put_dataset", "walk_entries"]
 log = logging.getLogger(__name__)
 
 _READ_SIZE = 8 << 20
+# How long one store request is retried on transient errors (refused, 5xx, timeouts)
+# before the put fails: long enough to ride out an S3 server restart.
+RETRY_S = 60.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -145,8 +150,10 @@ class _Packer:
         parallel: int,
         progress: PutProgress,
         report: Callable[[], None],
+        retry_s: float,
     ) -> None:
         self.store = store
+        self.retry_s = retry_s
         self.chunk_size = chunk_size
         self.progress = progress
         self.report = report
@@ -186,12 +193,12 @@ class _Packer:
         try:
             blocks = block_list_of(data)
             cid = fmt.chunk_id(blocks)
-            if self.store.size(fmt.blocks_key(cid)) == len(blocks):
+            if self._retry(lambda: self.store.size(fmt.blocks_key(cid))) == len(blocks):
                 with self.lock:
                     self.progress.chunks_existing += 1
             else:
-                self.store.put(fmt.chunk_key(cid), data)
-                self.store.put(fmt.blocks_key(cid), blocks)
+                self._retry(lambda: self.store.put(fmt.chunk_key(cid), data))
+                self._retry(lambda: self.store.put(fmt.blocks_key(cid), blocks))
                 with self.lock:
                     self.progress.chunks_uploaded += 1
                     self.progress.bytes_uploaded += len(data)
@@ -202,6 +209,9 @@ class _Packer:
         finally:
             self.slots.release()
         self.report()
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        return retry_transient(fn, self.retry_s)
 
     def add_file(self, entry: Entry, path: Path) -> Entry:
         """Pack one regular file; return its entry with extents."""
@@ -276,11 +286,13 @@ def put_dataset(
     parallel: int = 8,
     progress: Callable[[PutProgress], None] | None = None,
     page_entries: int = fmt.PAGE_ENTRIES,
+    retry_s: float = RETRY_S,
 ) -> Root:
     """Store the tree at ``src_dir`` as a new version of data set ``name``; return its root.
 
     The root is written last, so a failed or interrupted put leaves no visible version
-    (only unreferenced chunks and pages, which ``data rm`` collects). Raises
+    (only unreferenced chunks and pages, which ``data rm`` collects). Each store
+    request is retried on transient errors for up to ``retry_s`` seconds. Raises
     ``UsageError`` for a bad name, chunk size or source directory.
     """
     src = Path(src_dir)
@@ -303,15 +315,15 @@ def put_dataset(
                 progress(counters)
 
     created_ns = time.time_ns()
-    packer = _Packer(store, chunk_size, parallel, counters, report)
+    packer = _Packer(store, chunk_size, parallel, counters, report, retry_s)
     pages: list[PageRef] = []
     page: list[Entry] = []
 
     def flush_page() -> None:
         data = encode_page(page)
         key = fmt.page_key(page_digest(data))
-        if store.size(key) != len(data):
-            store.put(key, data)
+        if retry_transient(lambda: store.size(key), retry_s) != len(data):
+            retry_transient(lambda: store.put(key, data), retry_s)
         pages.append(PageRef(key, len(page), page[0].parent, page[0].name))
         page.clear()
 
@@ -347,7 +359,9 @@ def put_dataset(
         pages=tuple(pages),
     )
     root = replace(root, version=version_name(root))
-    store.put(fmt.root_key(name, root.version), encode_root(root))
+    retry_transient(
+        lambda: store.put(fmt.root_key(name, root.version), encode_root(root)), retry_s
+    )
     report()
     return root
 

@@ -61,7 +61,8 @@ class S3Server:
     """One SeaweedFS server (master, volume, filer, S3 gateway) on free loopback ports.
 
     Data lives in ``data_dir``; ``stop()`` then ``start()`` brings the same server back
-    on the same ports with the same objects (for "the store went away" tests).
+    on the same ports with the same objects (for "the store went away" tests), and
+    ``pause()``/``resume()`` freeze and thaw it (for "the store hangs" tests).
     ``start()`` returns only once a bucket can be created and an object written and
     read back.
     """
@@ -222,6 +223,7 @@ class S3Server:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)  # a paused server must see it too
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -234,6 +236,16 @@ class S3Server:
             for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     sock.unlink()
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections are accepted but never answered (a hung server)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def restart(self, timeout: float = 60.0) -> S3Server:
         """Stop, then start again on the same ports with the same data."""

@@ -93,6 +93,13 @@ def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
+def make_writable(root: Path) -> None:
+    """Let pytest delete a tree that holds read-only directories."""
+    for dirpath, dirnames, _ in os.walk(root):
+        for d in dirnames:
+            os.chmod(Path(dirpath) / d, 0o755)
+
+
 def chunk_objects(store: ObjectStore) -> set[str]:
     return {k for k in store.list("chunks/") if not k.endswith(".blocks")}
 
@@ -103,9 +110,7 @@ def tree(tmp_path: Path) -> Iterator[Path]:
     src.mkdir()
     make_tree(src)
     yield src
-    for dirpath, dirnames, _ in os.walk(src):  # let pytest clean up the read-only dir
-        for d in dirnames:
-            os.chmod(Path(dirpath) / d, 0o755)
+    make_writable(src)
 
 
 def test_round_trip_every_byte_mode_and_mtime(
@@ -134,9 +139,7 @@ def test_round_trip_every_byte_mode_and_mtime(
         for path, value in want.items():
             assert got[path] == value, path
     finally:
-        for dirpath, dirnames, _ in os.walk(dest):
-            for d in dirnames:
-                os.chmod(Path(dirpath) / d, 0o755)
+        make_writable(dest)
 
 
 def test_manifest_lookups_on_a_stored_version(store: S3Store, tree: Path) -> None:
@@ -235,9 +238,7 @@ def test_rm_collects_only_unreferenced_chunks(
     assert list_versions(store, "keep") == [v2.version]
     get_dataset(store, "keep", tmp_path / "out")  # everything v2 needs is still there
     assert (tmp_path / "out" / "dir01" / "file007.bin").read_bytes() == b"changed" * 1000
-    for dirpath, dirnames, _ in os.walk(tmp_path / "out"):
-        for d in dirnames:
-            os.chmod(Path(dirpath) / d, 0o755)
+    make_writable(tmp_path / "out")
 
     with pytest.raises(NotFound, match="keep@nope"):
         remove(store, "keep@nope")
@@ -286,10 +287,21 @@ class FailingStore(FileStore):
         super().put(key, data)
 
 
+def test_put_retries_transient_errors(tree: Path, tmp_path: Path) -> None:
+    store = FailingStore(tmp_path / "st", fail_at=3)
+    root = put_dataset(store, tree, "retried", chunk_size=CHUNK, parallel=2)
+    get_dataset(store, "retried", tmp_path / "out")
+    assert (tmp_path / "out" / "big" / "nine.bin").read_bytes() == (
+        tree / "big" / "nine.bin"
+    ).read_bytes()
+    assert root.files > 300
+    make_writable(tmp_path / "out")
+
+
 def test_failed_put_leaves_no_visible_version(tree: Path, tmp_path: Path) -> None:
     store = FailingStore(tmp_path / "st", fail_at=5)
     with pytest.raises(StoreUnavailable, match="injected"):
-        put_dataset(store, tree, "half", chunk_size=CHUNK, parallel=2)
+        put_dataset(store, tree, "half", chunk_size=CHUNK, parallel=2, retry_s=0)
     assert list_datasets(store) == []
     assert list(store.list("datasets/")) == []
     store.fail_at = 0

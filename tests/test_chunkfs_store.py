@@ -138,7 +138,7 @@ def test_missing_bucket_is_not_found(s3_server: S3Server) -> None:
         s.get("x")
 
 
-def test_stopped_server_is_unavailable_then_comes_back(tmp_path: Path) -> None:
+def test_stopped_or_hung_server_is_unavailable_then_comes_back(tmp_path: Path) -> None:
     """Its own server: stopping the session's would disturb the other tests."""
     with S3Server(tmp_path / "s3") as server:
         server.make_bucket("bkt")
@@ -146,8 +146,13 @@ def test_stopped_server_is_unavailable_then_comes_back(tmp_path: Path) -> None:
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
-            s = S3Store("bkt", "p", connect_timeout_s=1, read_timeout_s=2, max_attempts=2)
+            s = S3Store("bkt", "p", connect_timeout_s=1, read_timeout_s=1, max_attempts=1)
             s.put("k", b"value")
+            server.pause()  # hangs: the read timeout bounds the wait
+            with pytest.raises(StoreUnavailable):
+                s.get("k")
+            server.resume()
+            assert retry_transient(lambda: s.get("k"), 30) == b"value"
             server.stop()
             for op in (lambda: s.get("k"), lambda: s.put("k2", b"x"), lambda: s.size("k")):
                 with pytest.raises(StoreUnavailable) as info:
