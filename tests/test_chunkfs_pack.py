@@ -61,6 +61,7 @@ def make_tree(root: Path, seed: int = 1) -> None:
     (odd / "dir with space").mkdir()
     os.symlink("../big/nine.bin", root / "odd names" / "link to nine")
     os.symlink("does/not/exist", root / "dangling")
+    os.symlink("big", root / "link-to-dir")  # recorded as a link, never followed
     ro = root / "modes" / "readonly-dir"
     ro.mkdir(parents=True)
     (ro / "ro.txt").write_text("read only")
@@ -149,6 +150,7 @@ def test_manifest_lookups_on_a_stored_version(store: S3Store, tree: Path) -> Non
     e = m.lookup("odd names/new\nline")
     assert e is not None and e.kind == "f" and e.size == len(b"new\nline") * 3
     assert m.pages_loaded == 1
+    assert m.lookup("link-to-dir/nine.bin") is None
     link = m.lookup("odd names/link to nine")
     assert link is not None and link.kind == "l" and link.target == "../big/nine.bin"
     big = m.lookup("big/nine.bin")
