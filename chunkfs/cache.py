@@ -53,6 +53,9 @@ HAVE_FLUSH_INTERVAL = 2.0
 #: Open file descriptors kept for chunk data files before the least recent are closed.
 MAX_OPEN_FILES = 256
 
+#: Records kept before those of chunks without blocks (block lists only) are dropped.
+MAX_RECORDS = 8192
+
 ChangeCallback = Callable[[str, bool], None]
 
 
@@ -218,12 +221,19 @@ class ChunkCache:
     # ---------------------------------------------------------------- changes
     def admit(self, cid: str, size: int, block_list: bytes) -> None:
         """Register a chunk and its block list (verified here against the id)."""
+        with self._lock:
+            if cid in self._chunks:
+                return
         if chunk_id(block_list) != cid or len(block_list) != 32 * block_count(size):
             raise ValueError(f"block list does not match chunk {cid} of {size} bytes")
         with self._lock:
             if cid in self._chunks:
                 return
             self._chunks[cid] = _Chunk(cid, size, block_list, bytearray(block_count(size)))
+            if len(self._chunks) > MAX_RECORDS:
+                for rec in list(self._chunks.values())[: len(self._chunks) - MAX_RECORDS]:
+                    if not rec.present_bytes and not rec.pins and not rec.writing:
+                        self._drop(rec)
         path = self._path(cid, "blocks")
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
