@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import click
 import grpc
 
+from hypermesh.cli_data import data
 from hypermesh.config import (
     ENV_ETCD,
     ENV_NAMESPACE,
@@ -601,6 +602,8 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
     else:
         _err(f"{workflow} had already ended: {state}")
 
+
+main.add_command(data)
 
 if __name__ == "__main__":
     main()

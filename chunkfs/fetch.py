@@ -1,0 +1,574 @@
+"""Reading chunk bytes: from the local cache, a peer, or the object store, always verified.
+
+``ChunkReader.read(chunk, offset, length)`` returns exactly the bytes of the chunk in that
+range, or raises; it never returns bytes that did not match their block digest.
+
+How a read proceeds
+-------------------
+1. The chunk's block list (``chunks/<id[:2]>/<id>.blocks``) is loaded once — from
+   memory, the cache directory or the store — and checked against the chunk id.
+2. The 1 MiB blocks that cover the range and are not in the cache are *claimed*: a
+   block already being fetched (by another read or by prefetch) is waited for, not
+   fetched twice. Newly claimed blocks are coalesced into runs of adjacent blocks of
+   at most ``range_bytes`` and fetched in parallel on a thread pool, each run by one
+   ranged GET (after asking ``peer_fetch``, when set).
+3. Each fetched block is verified against its digest. A wrong block is fetched once
+   more from the store; wrong again, it fails with ``CorruptData``. Good blocks go to
+   the cache and to the waiting reads. A read waits only for its own blocks.
+4. Transient store errors are retried with backoff; every read has an overall
+   deadline (``deadline_s``) after which it raises ``StoreUnavailable`` — it never hangs.
+
+Prefetch (``prefetch``) fetches blocks in the background on a separate, smaller pool
+with a bounded queue; a block is claimed only when its prefetch run starts, so a
+queued prefetch never delays a read. ``Readahead`` decides, per open file, when and
+how far to prefetch; ``FileReader`` maps file ranges to chunk ranges and drives both.
+The reader also prefetches the rest of a chunk once ``whole_chunk_after`` distinct
+blocks of it were missed by reads (many small files read in any order).
+
+The peer hook: ``peer_fetch(chunk_id, offset, length) -> bytes | None`` is called
+before the store for every run to be fetched. It returns the chunk's bytes in that
+range (exactly ``length`` of them) or None; its bytes are verified like the store's,
+and any block it gets wrong or does not give is fetched from the store. It is called
+from fetch threads, must be thread-safe and should answer within a second or two.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from hypermesh.chunkfs.cache import ChunkCache, block_span
+from hypermesh.chunkfs.format import (
+    BLOCK_SIZE,
+    ChunkInfo,
+    Entry,
+    block_count,
+    block_digest,
+    blocks_key,
+    chunk_id,
+    chunk_key,
+)
+from hypermesh.chunkfs.store import ObjectStore, retry_transient
+
+from hypermesh.errors import CorruptData, HypermeshError, NoSuchObject, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+PeerFetch = Callable[[str, int, int], "bytes | None"]
+_Result = tuple[memoryview, str]  # a verified block and where it came from
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """How the reader fetches. Presets: ``FetchConfig()`` (defaults) and ``local()``.
+
+    - ``deadline_s``: the longest one read may take, retries of transient store errors
+      included; then ``StoreUnavailable``. Longer rides out store hiccups, shorter fails
+      a job sooner when the store is really gone.
+    - ``range_bytes``: the most one ranged GET asks for (a multiple of 1 MiB). Larger
+      means fewer requests and more bytes per request latency, but a read waits for its
+      whole run.
+    - ``threads``: fetch threads for reads; size the store's connection pool to at least
+      ``threads + prefetch_threads``.
+    - ``prefetch_threads``/``prefetch_queue``: background fetch threads and the most
+      prefetch runs queued; memory for prefetch is bounded by
+      ``(prefetch_threads + prefetch_queue)``-ish runs of ``range_bytes`` in flight.
+    - ``readahead_start``/``readahead_max``: the sequential window starts at the first
+      and doubles on each sequential read up to the second.
+    - ``whole_chunk_after``: prefetch the rest of a chunk after this many distinct blocks
+      of it were missed by reads (0: never).
+    - ``first_delay_s``/``max_delay_s``: backoff between retries of transient errors.
+    - ``block_lists``: block lists kept in memory (32 bytes per MiB of chunk each).
+    """
+
+    deadline_s: float = 30.0
+    range_bytes: int = 4 * MiB
+    threads: int = 16
+    prefetch_threads: int = 8
+    prefetch_queue: int = 48
+    readahead_start: int = 4 * MiB
+    readahead_max: int = 64 * MiB
+    whole_chunk_after: int = 4
+    first_delay_s: float = 0.05
+    max_delay_s: float = 1.0
+    block_lists: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {self.deadline_s}")
+        if self.range_bytes < BLOCK_SIZE or self.range_bytes % BLOCK_SIZE:
+            raise ValueError(f"range_bytes must be a positive multiple of 1 MiB, got "
+                             f"{self.range_bytes}")
+        if self.threads < 1 or self.prefetch_threads < 1 or self.prefetch_queue < 0:
+            raise ValueError("threads and prefetch_threads must be >= 1, prefetch_queue >= 0")
+        if not 0 < self.readahead_start <= self.readahead_max:
+            raise ValueError("need 0 < readahead_start <= readahead_max")
+
+    @classmethod
+    def local(cls) -> FetchConfig:
+        """Tight timeouts for tests: failures show within seconds."""
+        return cls(deadline_s=4.0, threads=4, prefetch_threads=2, max_delay_s=0.2)
+
+    @property
+    def run_blocks(self) -> int:
+        return self.range_bytes // BLOCK_SIZE
+
+
+def runs(indices: Iterable[int], most: int) -> list[list[int]]:
+    """Sorted block indices grouped into runs of adjacent blocks, at most ``most`` each."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        if out and out[-1][-1] == i - 1 and len(out[-1]) < most:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+class ChunkReader:
+    """Verified reads of chunk ranges with shared in-flight fetches (see module doc).
+
+    Thread-safe; ``read`` blocks the calling thread. The reader owns its thread pools
+    and adds to ``cache.stats``; ``close`` stops the pools (reads then fail).
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        cache: ChunkCache,
+        config: FetchConfig | None = None,
+        peer_fetch: PeerFetch | None = None,
+    ) -> None:
+        self.store = store
+        self.cache = cache
+        self.config = config or FetchConfig()
+        self.peer_fetch = peer_fetch
+        self.stats = cache.stats
+        self._pool = ThreadPoolExecutor(self.config.threads, "chunkfs-fetch")
+        self._prefetch_pool = ThreadPoolExecutor(self.config.prefetch_threads, "chunkfs-ahead")
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, int], Future[_Result]] = {}
+        self._lists: OrderedDict[str, bytes] = OrderedDict()
+        self._lists_loading: dict[str, Future[bytes]] = {}
+        self._prefetch_pending = 0
+        self._missed: OrderedDict[str, set[int]] = OrderedDict()
+
+    # ---------------------------------------------------------------- reading
+    def read(self, chunk: ChunkInfo, offset: int, length: int) -> bytes:
+        """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified."""
+        length = min(length, chunk.size - offset)
+        if length <= 0:
+            return b""
+        deadline = time.monotonic() + self.config.deadline_s
+        try:
+            return self._read(chunk, offset, length, deadline)
+        except HypermeshError:
+            self.stats.add("read_errors")
+            raise
+
+    def _read(self, chunk: ChunkInfo, offset: int, length: int, deadline: float) -> bytes:
+        cid = chunk.id
+        block_list = self._block_list(chunk, deadline)
+        first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
+        with self.cache.pin(cid):
+            waits, new = self._claim(chunk, range(first, last + 1))
+            self._start(chunk, block_list, new, deadline, self._pool)
+            if new:
+                self._note_misses(chunk, new)
+            if not waits:
+                self.stats.served("cache", last - first + 1, length)
+                return self.cache.read(cid, offset, length)
+            pieces: list[bytes | memoryview] = []
+            for i in range(first, last + 1):
+                lo, hi = max(offset, i * BLOCK_SIZE), min(offset + length, (i + 1) * BLOCK_SIZE)
+                fut = waits.get(i)
+                if fut is None:
+                    pieces.append(self.cache.read(cid, lo, hi - lo))
+                    source = "cache"
+                else:
+                    data, source = self._wait(fut, deadline, chunk, i)
+                    pieces.append(data[lo - i * BLOCK_SIZE : hi - i * BLOCK_SIZE])
+                self.stats.served(source, 1, hi - lo)
+            return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    def _claim(
+        self, chunk: ChunkInfo, indices: Iterable[int]
+    ) -> tuple[dict[int, Future[_Result]], list[int]]:
+        """Futures for the blocks not ready in the cache, and which of them are new."""
+        missing = [i for i in indices if not self.cache.ready(chunk.id, i)]
+        waits: dict[int, Future[_Result]] = {}
+        new: list[int] = []
+        if not missing:
+            return waits, new
+        with self._lock:
+            for i in missing:
+                fut = self._inflight.get((chunk.id, i))
+                if fut is None:
+                    if self.cache.verified(chunk.id, i):
+                        continue  # it landed since we looked
+                    fut = self._inflight[(chunk.id, i)] = Future()
+                    new.append(i)
+                waits[i] = fut
+        return waits, new
+
+    def _start(
+        self,
+        chunk: ChunkInfo,
+        block_list: bytes,
+        new: list[int],
+        deadline: float,
+        pool: ThreadPoolExecutor,
+    ) -> None:
+        for run in runs(new, self.config.run_blocks):
+            try:
+                pool.submit(self._fetch_run, chunk, block_list, run, deadline)
+            except RuntimeError as exc:  # the pool is shut down
+                self._resolve(chunk.id, {i: StoreUnavailable(f"reader closed: {exc}") for i in run})
+
+    def _wait(
+        self, fut: Future[_Result], deadline: float, chunk: ChunkInfo, index: int
+    ) -> _Result:
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"block {index} of chunk {chunk.id} not fetched within "
+                f"{self.config.deadline_s:g} s"
+            ) from None
+
+    # --------------------------------------------------------------- fetching
+    def _fetch_run(
+        self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
+    ) -> None:
+        """Fetch, verify and cache one run of claimed blocks; resolve their futures."""
+        results: dict[int, _Result | BaseException] = {}
+        try:
+            results = self._fetch_blocks(chunk, block_list, run, deadline)
+            self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
+            for i, result in results.items():
+                if isinstance(result, tuple):
+                    self.cache.put_block(chunk.id, i, result[0])
+        except BaseException as exc:
+            for i in run:
+                results.setdefault(i, exc)
+            if not isinstance(exc, HypermeshError):
+                log.exception("fetch of chunk %s blocks %s failed", chunk.id, run)
+        finally:
+            for i in run:
+                results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
+            self._resolve(chunk.id, results)
+
+    def _resolve(self, cid: str, results: dict[int, _Result | BaseException]) -> None:
+        with self._lock:
+            futures = {i: self._inflight.pop((cid, i), None) for i in results}
+        for i, fut in futures.items():
+            if fut is None or fut.done():
+                continue
+            result = results[i]
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+    def _fetch_blocks(
+        self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
+    ) -> dict[int, _Result | BaseException]:
+        out: dict[int, _Result | BaseException] = {}
+        todo = list(run)
+        if self.peer_fetch is not None:
+            todo = self._from_peer(chunk, block_list, todo, out)
+        for sub in runs(todo, len(todo) or 1):
+            try:
+                data = self._get(chunk, sub, deadline)
+            except HypermeshError as exc:
+                out.update(dict.fromkeys(sub, exc))
+                continue
+            for i in sub:
+                block = _verified(chunk, block_list, data, sub[0], i)
+                if block is None:  # wrong bytes: once more, on its own, from the store
+                    self.stats.add("corrupt_blocks")
+                    log.warning("chunk %s block %d: bad bytes from the store, retrying",
+                                chunk.id, i)
+                    try:
+                        block = _verified(chunk, block_list, self._get(chunk, [i], deadline), i, i)
+                    except HypermeshError as exc:
+                        out[i] = exc
+                        continue
+                    if block is None:
+                        self.stats.add("corrupt_blocks")
+                        out[i] = CorruptData(
+                            f"block {i} of chunk {chunk.id}: the store's bytes do not match "
+                            f"their digest (twice)"
+                        )
+                        continue
+                out[i] = (block, "store")
+        return out
+
+    def _from_peer(
+        self,
+        chunk: ChunkInfo,
+        block_list: bytes,
+        todo: list[int],
+        out: dict[int, _Result | BaseException],
+    ) -> list[int]:
+        """Ask the peer hook for the run; verified blocks go to ``out``; the rest returned."""
+        assert self.peer_fetch is not None
+        start = block_span(todo[0], chunk.size)[0]
+        end = sum(block_span(todo[-1], chunk.size))
+        try:
+            data = self.peer_fetch(chunk.id, start, end - start)
+        except Exception as exc:  # a peer's trouble is never the reader's
+            log.debug("peer fetch of chunk %s failed: %s", chunk.id, exc)
+            data = None
+        if data is None or len(data) != end - start:
+            return todo
+        self.stats.add("peer_bytes", len(data))
+        view = memoryview(data)
+        left = []
+        for i in todo:
+            block = _verified(chunk, block_list, view, todo[0], i)
+            if block is None:
+                left.append(i)
+            else:
+                out[i] = (block, "peer")
+        return left
+
+    def _get(self, chunk: ChunkInfo, run: list[int], deadline: float) -> memoryview:
+        """One ranged GET of a run of blocks, transient errors retried until the deadline."""
+        start = block_span(run[0], chunk.size)[0]
+        end = sum(block_span(run[-1], chunk.size))
+        try:
+            data = self._retry(
+                lambda: self.store.get_range(chunk_key(chunk.id), start, end - start), deadline
+            )
+        except NoSuchObject as exc:
+            raise CorruptData(f"chunk {chunk.id} is missing from {self.store.url}") from exc
+        self.stats.add("store_bytes", len(data))
+        return memoryview(data)
+
+    def _retry(self, get: Callable[[], bytes], deadline: float) -> bytes:
+        """``get()`` with transient errors retried until ``deadline``; GETs counted."""
+        attempts = 0
+
+        def once() -> bytes:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                self.stats.add("store_retries")
+            self.stats.add("store_gets")
+            return get()
+
+        return retry_transient(
+            once,
+            max(0.0, deadline - time.monotonic()),
+            first_delay_s=self.config.first_delay_s,
+            max_delay_s=self.config.max_delay_s,
+        )
+
+    # ------------------------------------------------------------- block lists
+    def _block_list(self, chunk: ChunkInfo, deadline: float) -> bytes:
+        cid = chunk.id
+        with self._lock:
+            found = self._lists.get(cid)
+            if found is not None:
+                self._lists.move_to_end(cid)
+                return found
+            fut = self._lists_loading.get(cid)
+            owner = fut is None
+            if fut is None:
+                fut = self._lists_loading[cid] = Future()
+        if not owner:
+            try:
+                return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise StoreUnavailable(f"block list of chunk {cid} not fetched in time") from None
+        try:
+            block_list = self.cache.block_list(cid) or self._load_block_list(chunk, deadline)
+            self.cache.admit(cid, chunk.size, block_list)
+        except BaseException as exc:
+            with self._lock:
+                del self._lists_loading[cid]
+            fut.set_exception(exc)
+            raise
+        with self._lock:
+            del self._lists_loading[cid]
+            self._lists[cid] = block_list
+            while len(self._lists) > self.config.block_lists:
+                self._lists.popitem(last=False)
+        fut.set_result(block_list)
+        return block_list
+
+    def _load_block_list(self, chunk: ChunkInfo, deadline: float) -> bytes:
+        for _attempt in range(2):
+            try:
+                data = self._retry(lambda: self.store.get(blocks_key(chunk.id)), deadline)
+            except NoSuchObject as exc:
+                raise CorruptData(
+                    f"block list of chunk {chunk.id} is missing from {self.store.url}"
+                ) from exc
+            self.stats.add("store_bytes", len(data))
+            if chunk_id(data) == chunk.id and len(data) == 32 * block_count(chunk.size):
+                return data
+            self.stats.add("corrupt_blocks")
+            log.warning("block list of chunk %s: bad bytes from the store", chunk.id)
+        raise CorruptData(f"block list of chunk {chunk.id}: does not match the chunk id (twice)")
+
+    # --------------------------------------------------------------- prefetch
+    def prefetch(self, chunk: ChunkInfo, offset: int, length: int) -> None:
+        """Fetch the blocks of a range in the background; returns at once.
+
+        Blocks cached or in flight are skipped; runs that do not fit the queue are
+        dropped (prefetch is advice). Errors are logged, never raised.
+        """
+        length = min(length, chunk.size - offset)
+        if length <= 0:
+            return
+        first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
+        step = self.config.run_blocks
+        for start in range(first, last + 1, step):
+            with self._lock:
+                if self._prefetch_pending >= self.config.prefetch_queue:
+                    return
+                self._prefetch_pending += 1
+            blocks = range(start, min(last + 1, start + step))
+            try:
+                self._prefetch_pool.submit(self._prefetch_run, chunk, blocks)
+            except RuntimeError:
+                with self._lock:
+                    self._prefetch_pending -= 1
+                return
+
+    def _prefetch_run(self, chunk: ChunkInfo, blocks: range) -> None:
+        try:
+            deadline = time.monotonic() + self.config.deadline_s
+            block_list = self._block_list(chunk, deadline)
+            _waits, new = self._claim(chunk, blocks)
+            for run in runs(new, self.config.run_blocks):
+                self._fetch_run(chunk, block_list, run, deadline)
+                self.stats.add("prefetched_blocks", len(run))
+        except HypermeshError as exc:
+            log.debug("prefetch of chunk %s blocks %s failed: %s", chunk.id, blocks, exc)
+        except Exception:
+            log.exception("prefetch of chunk %s failed", chunk.id)
+        finally:
+            with self._lock:
+                self._prefetch_pending -= 1
+
+    def _note_misses(self, chunk: ChunkInfo, blocks: list[int]) -> None:
+        """Prefetch the rest of a chunk once enough distinct blocks of it were missed."""
+        want = self.config.whole_chunk_after
+        if not want:
+            return
+        with self._lock:
+            seen = self._missed.get(chunk.id)
+            if seen is None:
+                seen = self._missed[chunk.id] = set()
+                while len(self._missed) > 1024:
+                    self._missed.popitem(last=False)
+            if len(seen) >= want:
+                return
+            seen.update(blocks)
+            whole = len(seen) >= want
+        if whole:
+            self.prefetch(chunk, 0, chunk.size)
+
+    def close(self) -> None:
+        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _verified(
+    chunk: ChunkInfo, block_list: bytes, data: memoryview, first: int, index: int
+) -> memoryview | None:
+    """Block ``index`` out of ``data`` (which starts at block ``first``) if it verifies."""
+    start, length = block_span(index, chunk.size)
+    base = block_span(first, chunk.size)[0]
+    block = data[start - base : start - base + length]
+    if len(block) != length or block_digest(block) != block_list[32 * index : 32 * index + 32]:
+        return None
+    return block
+
+
+# ------------------------------------------------------------------------- files
+class Readahead:
+    """Per open file: tells sequential reads apart and says how far ahead to fetch.
+
+    A read that starts at offset 0, or near where the last one ended (within
+    ``slack``: the kernel may have several reads of one file in flight), is sequential;
+    each one doubles the window (from ``start`` up to ``maximum``). Anything else resets
+    it. Pure logic; the caller serialises calls.
+    """
+
+    def __init__(self, start: int, maximum: int, slack: int = 8 * MiB) -> None:
+        self.start, self.maximum, self.slack = start, maximum, slack
+        self.window = 0
+        self._next: int | None = None
+        self._ahead = 0
+
+    def advise(self, offset: int, length: int, size: int) -> tuple[int, int] | None:
+        """The file range ``(offset, length)`` to prefetch after this read, if any."""
+        end = offset + length
+        sequential = offset == 0 or (
+            self._next is not None and self._next - self.slack <= offset <= self._next + self.slack
+        )
+        if sequential:
+            self.window = min(self.maximum, max(self.start, self.window * 2))
+            self._next = max(end, self._next or 0) if offset else end
+            if offset == 0:
+                self._ahead = 0
+        else:
+            self.window, self._next, self._ahead = 0, end, 0
+            return None
+        target = min(size, self._next + self.window)
+        begin = max(self._next, self._ahead)
+        if target <= begin or (target - begin < self.start // 2 and target < size):
+            return None
+        self._ahead = target
+        return begin, target - begin
+
+
+class FileReader:
+    """Reads of files of one data set version: file ranges → chunk ranges.
+
+    Guarantees the bytes returned are the file's bytes (or an error); ``readahead``,
+    when given, is consulted and its advice handed to the reader's prefetch.
+    """
+
+    def __init__(self, reader: ChunkReader, chunks: tuple[ChunkInfo, ...]) -> None:
+        self.reader = reader
+        self.chunks = chunks
+
+    def _pieces(self, entry: Entry, offset: int, length: int) -> list[tuple[ChunkInfo, int, int]]:
+        end = min(entry.size, offset + length)
+        out: list[tuple[ChunkInfo, int, int]] = []
+        extents = entry.extents
+        i = max(0, bisect.bisect_right(extents, offset, key=lambda e: e.file_offset) - 1)
+        while i < len(extents) and offset < end:
+            ext = extents[i]
+            lo, hi = max(offset, ext.file_offset), min(end, ext.file_offset + ext.length)
+            if hi > lo:
+                chunk_offset = ext.chunk_offset + lo - ext.file_offset
+                out.append((self.chunks[ext.chunk], chunk_offset, hi - lo))
+                offset = hi
+            i += 1
+        return out
+
+    def read(
+        self, entry: Entry, offset: int, length: int, readahead: Readahead | None = None
+    ) -> bytes:
+        """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
+        pieces = self._pieces(entry, offset, length)
+        if readahead is not None:
+            advice = readahead.advise(offset, length, entry.size)
+            if advice is not None:
+                for chunk, start, size in self._pieces(entry, *advice):
+                    self.reader.prefetch(chunk, start, size)
+        data = [self.reader.read(chunk, start, size) for chunk, start, size in pieces]
+        return data[0] if len(data) == 1 else b"".join(data)

@@ -1,0 +1,179 @@
+"""The chunk cache on its own: bound, LRU, pinning, restart, distrust of old data."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypermesh.chunkfs.cache import ChunkCache, block_span
+from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, block_digest, chunk_id
+
+MiB = 1 << 20
+
+
+class Chunk:
+    """A chunk of deterministic pseudo-random bytes with its block list and id."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size = size
+        self.data = random.Random(seed).randbytes(size)
+        self.block_list = b"".join(
+            block_digest(self.data[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            for i in range(block_count(size))
+        )
+        self.id = chunk_id(self.block_list)
+
+    def block(self, index: int) -> bytes:
+        start, length = block_span(index, self.size)
+        return self.data[start : start + length]
+
+
+def fill(cache: ChunkCache, chunk: Chunk, blocks: range | list[int] | None = None) -> None:
+    cache.admit(chunk.id, chunk.size, chunk.block_list)
+    for i in blocks if blocks is not None else range(block_count(chunk.size)):
+        assert cache.put_block(chunk.id, i, chunk.block(i))
+
+
+def test_put_then_read_any_range(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 * MiB)
+    chunk = Chunk(3 * MiB + 123, 1)
+    fill(cache, chunk)
+    assert all(cache.ready(chunk.id, i) for i in range(4))
+    with cache.pin(chunk.id):
+        assert cache.read(chunk.id, 0, chunk.size) == chunk.data
+        assert cache.read(chunk.id, MiB - 5, 10) == chunk.data[MiB - 5 : MiB + 5]
+    assert cache.used_bytes == chunk.size
+    # sparse: only written blocks take space
+    other = Chunk(8 * MiB, 2)
+    fill(cache, other, [5])
+    assert cache.present(other.id) == [5]
+    assert not cache.ready(other.id, 4)
+    assert os.stat(tmp_path / "v1" / other.id[:2] / f"{other.id}.data").st_blocks * 512 < 2 * MiB
+
+
+def test_admit_rejects_a_block_list_that_is_not_the_chunks(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 16 * MiB)
+    chunk = Chunk(2 * MiB, 1)
+    with pytest.raises(ValueError):
+        cache.admit(chunk.id, chunk.size, chunk.block_list[:-1] + b"x")
+    with pytest.raises(ValueError):
+        cache.admit(chunk.id, chunk.size + MiB, chunk.block_list)
+
+
+def test_bound_evicts_least_recently_used_whole_chunks(tmp_path: Path) -> None:
+    events: list[tuple[str, bool]] = []
+    cache = ChunkCache(tmp_path, 6 * MiB, on_change=lambda c, e: events.append((c, e)))
+    a, b, c = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2), Chunk(2 * MiB, 3)
+    fill(cache, a)
+    fill(cache, b)
+    fill(cache, c)
+    assert cache.used_bytes == 6 * MiB
+    with cache.pin(a.id):  # touch a: b is now the least recently used
+        pass
+    d = Chunk(MiB, 4)
+    fill(cache, d)
+    assert cache.used_bytes <= 6 * MiB
+    assert b.id not in cache.chunk_ids()
+    assert set(cache.chunk_ids()) == {a.id, c.id, d.id}
+    assert events == [(a.id, True), (b.id, True), (c.id, True), (b.id, False), (d.id, True)]
+    assert not (tmp_path / "v1" / b.id[:2] / f"{b.id}.data").exists()
+
+
+def test_pinned_chunks_are_not_evicted_and_a_block_that_does_not_fit_is_refused(
+    tmp_path: Path,
+) -> None:
+    cache = ChunkCache(tmp_path, 4 * MiB)
+    a, b = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2)
+    fill(cache, a)
+    fill(cache, b)
+    c = Chunk(2 * MiB, 3)
+    cache.admit(c.id, c.size, c.block_list)
+    with cache.pin(a.id), cache.pin(b.id):
+        assert not cache.put_block(c.id, 0, c.block(0))
+        assert cache.used_bytes == 4 * MiB
+    with cache.pin(a.id):
+        assert cache.put_block(c.id, 0, c.block(0))
+    assert set(cache.chunk_ids()) == {a.id, c.id}
+    assert cache.used_bytes <= 4 * MiB
+
+
+def test_restart_keeps_blocks_and_reverifies_them(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 64 * MiB)
+    a, b = Chunk(3 * MiB, 1), Chunk(2 * MiB + 7, 2)
+    fill(cache, a)
+    fill(cache, b, [0, 2])
+    cache.close()
+
+    events: list[tuple[str, bool]] = []
+    again = ChunkCache(tmp_path, 64 * MiB, on_change=lambda c, e: events.append((c, e)))
+    assert sorted(events) == sorted([(a.id, True), (b.id, True)])
+    assert again.used_bytes == a.size + MiB + 7
+    assert again.present(b.id) == [0, 2]
+    assert not again.verified(a.id, 0)  # claimed, not yet verified by this process
+    assert all(again.ready(a.id, i) for i in range(3))
+    assert again.verified(a.id, 0)
+    with again.pin(b.id):
+        assert again.ready(b.id, 2)
+        assert again.read(b.id, 2 * MiB, 7) == b.data[2 * MiB :]
+
+
+def test_restart_discards_blocks_that_do_not_verify(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 64 * MiB)
+    a = Chunk(3 * MiB, 1)
+    fill(cache, a)
+    cache.close()
+    data = tmp_path / "v1" / a.id[:2] / f"{a.id}.data"
+    with open(data, "r+b") as f:  # a bit flip in block 1, a crash-lost write in block 2
+        f.seek(MiB + 10)
+        f.write(b"\xff")
+        f.seek(2 * MiB)
+        f.write(bytes(MiB))
+
+    again = ChunkCache(tmp_path, 64 * MiB)
+    assert again.ready(a.id, 0)
+    assert not again.ready(a.id, 1)
+    assert not again.ready(a.id, 2)
+    assert again.present(a.id) == [0]
+    assert again.used_bytes == MiB
+    assert again.stats.snapshot()["corrupt_blocks"] == 2
+    # the forgotten blocks can be fetched and stored again
+    assert again.put_block(a.id, 1, a.block(1))
+    with again.pin(a.id):
+        assert again.read(a.id, 0, 2 * MiB) == a.data[: 2 * MiB]
+
+
+def test_restart_drops_chunks_whose_records_cannot_be_trusted(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 64 * MiB)
+    a, b, c = Chunk(MiB, 1), Chunk(MiB, 2), Chunk(MiB, 3)
+    for chunk in (a, b, c):
+        fill(cache, chunk)
+    cache.close()
+    folder = tmp_path / "v1"
+    (folder / a.id[:2] / f"{a.id}.blocks").write_bytes(b"not the block list")
+    (folder / b.id[:2] / f"{b.id}.have").unlink()
+    (folder / c.id[:2] / f"{c.id}.have.tmp1").write_bytes(b"half-written")
+
+    again = ChunkCache(tmp_path, 64 * MiB)
+    assert again.chunk_ids() == [c.id]
+    assert sorted(p.name for p in (folder / a.id[:2]).iterdir()) == []
+    assert sorted(p.name for p in (folder / c.id[:2]).iterdir()) == [
+        f"{c.id}.blocks",
+        f"{c.id}.data",
+        f"{c.id}.have",
+    ]
+
+
+def test_restart_with_a_smaller_bound_evicts_the_oldest(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 64 * MiB)
+    chunks = [Chunk(MiB, i) for i in range(4)]
+    for i, chunk in enumerate(chunks):
+        fill(cache, chunk)
+        cache.flush()
+        have = tmp_path / "v1" / chunk.id[:2] / f"{chunk.id}.have"
+        os.utime(have, (1_000_000 + i, 1_000_000 + i))
+    cache.close()
+    again = ChunkCache(tmp_path, 2 * MiB)
+    assert again.chunk_ids() == [chunks[2].id, chunks[3].id]
+    assert again.used_bytes == 2 * MiB

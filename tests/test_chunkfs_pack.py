@@ -1,0 +1,311 @@
+"""put_dataset / get_dataset / rm against a real SeaweedFS S3 server."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypermesh.chunkfs import format as fmt
+from hypermesh.chunkfs.datasets import (
+    get_dataset,
+    list_datasets,
+    list_versions,
+    remove,
+    resolve,
+)
+from hypermesh.chunkfs.manifest import Manifest
+from hypermesh.chunkfs.pack import PutProgress, put_dataset
+from hypermesh.chunkfs.store import FileStore, ObjectStore, S3Store
+
+from hypermesh.errors import CorruptData, NotFound, StoreUnavailable, UsageError
+
+MiB = 1 << 20
+CHUNK = 4 * MiB
+ODD_NAMES = [
+    "with space",
+    "naïve ☃ café",
+    "new\nline",
+    "-rf",
+    "--help",
+    "a@b#c?d",
+    "tab\there",
+    os.fsdecode(b"latin1-\xe9\xff"),
+]
+
+
+def make_tree(root: Path, seed: int = 1) -> None:
+    """Many small files, a few big ones, empty files and dirs, deep paths, odd names."""
+    rng = random.Random(seed)
+    for d in range(6):
+        sub = root / f"dir{d:02d}"
+        sub.mkdir(parents=True)
+        for i in range(50):
+            (sub / f"file{i:03d}.bin").write_bytes(rng.randbytes(rng.randrange(0, 60_000)))
+    (root / "big").mkdir()
+    (root / "big" / "nine.bin").write_bytes(rng.randbytes(9 * MiB + 123))
+    (root / "big" / "exactly-chunk.bin").write_bytes(rng.randbytes(CHUNK))
+    (root / "big" / "half.bin").write_bytes(rng.randbytes(CHUNK // 2 + 1))
+    (root / "empty-dir" / "nested-empty").mkdir(parents=True)
+    (root / "empty-file").write_bytes(b"")
+    deep = root.joinpath(*[f"d{i}" for i in range(40)])
+    deep.mkdir(parents=True)
+    (deep / "leaf.txt").write_text("deep down\n")
+    odd = root / "odd names"
+    odd.mkdir()
+    for name in ODD_NAMES:
+        (odd / name).write_bytes(name.encode("utf-8", "surrogateescape") * 3)
+    (odd / "dir with space").mkdir()
+    os.symlink("../big/nine.bin", root / "odd names" / "link to nine")
+    os.symlink("does/not/exist", root / "dangling")
+    os.symlink("big", root / "link-to-dir")  # recorded as a link, never followed
+    ro = root / "modes" / "readonly-dir"
+    ro.mkdir(parents=True)
+    (ro / "ro.txt").write_text("read only")
+    os.chmod(ro / "ro.txt", 0o444)
+    (root / "modes" / "script.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(root / "modes" / "script.sh", 0o750)
+    (root / "modes" / "secret").write_text("s")
+    os.chmod(root / "modes" / "secret", 0o600)
+    os.chmod(ro, 0o555)
+    # Fixed, distinct mtimes (nanoseconds), directories last.
+    for i, p in enumerate(sorted(root.rglob("*"), key=lambda p: -len(p.parts))):
+        os.utime(p, ns=(1_600_000_000_000_000_000 + i * 1_000_001, 1_600_000_000_000_000_000
+                        + i * 1_000_001), follow_symlinks=False)
+
+
+def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
+    """Every path under ``root`` with its kind, mode, mtime and content or target."""
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            rel = p.relative_to(root).as_posix()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("l", os.readlink(p), st.st_mtime_ns)
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("d", stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+            else:
+                out[rel] = ("f", stat.S_IMODE(st.st_mode), st.st_mtime_ns, p.read_bytes())
+    return out
+
+
+def make_writable(root: Path) -> None:
+    """Let pytest delete a tree that holds read-only directories."""
+    for dirpath, dirnames, _ in os.walk(root):
+        for d in dirnames:
+            os.chmod(Path(dirpath) / d, 0o755)
+
+
+def chunk_objects(store: ObjectStore) -> set[str]:
+    return {k for k in store.list("chunks/") if not k.endswith(".blocks")}
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[Path]:
+    src = tmp_path / "src"
+    src.mkdir()
+    make_tree(src)
+    yield src
+    make_writable(src)
+
+
+def test_round_trip_every_byte_mode_and_mtime(
+    store: S3Store, tree: Path, tmp_path: Path
+) -> None:
+    seen: list[int] = []
+
+    def progress(p: PutProgress) -> None:
+        seen.append(p.bytes_read)
+
+    root = put_dataset(store, tree, "mixed", chunk_size=CHUNK, parallel=4, progress=progress)
+    want = snapshot(tree)
+    assert root.files == sum(1 for v in want.values() if v[0] != "d")
+    assert root.dirs == sum(1 for v in want.values() if v[0] == "d")
+    assert root.bytes == sum(len(v[3]) for v in want.values() if v[0] == "f")  # type: ignore[misc,arg-type]
+    assert all(c.size <= CHUNK for c in root.chunks)
+    assert seen and seen[-1] == root.bytes
+    assert resolve(store, "mixed") == root
+    assert resolve(store, f"mixed@{root.version}") == root
+
+    dest = tmp_path / "out"
+    assert get_dataset(store, "mixed", dest, parallel=3) == root
+    try:
+        got = snapshot(dest)
+        assert got.keys() == want.keys()
+        for path, value in want.items():
+            assert got[path] == value, path
+    finally:
+        make_writable(dest)
+
+
+def test_manifest_lookups_on_a_stored_version(store: S3Store, tree: Path) -> None:
+    root = put_dataset(store, tree, "paged", chunk_size=CHUNK, page_entries=16)
+    assert len(root.pages) > 10
+    m = Manifest(root, store.get, cache_pages=4)
+    e = m.lookup("odd names/new\nline")
+    assert e is not None and e.kind == "f" and e.size == len(b"new\nline") * 3
+    assert m.pages_loaded == 1
+    assert m.lookup("link-to-dir/nine.bin") is None
+    link = m.lookup("odd names/link to nine")
+    assert link is not None and link.kind == "l" and link.target == "../big/nine.bin"
+    big = m.lookup("big/nine.bin")
+    assert big is not None and [x.length for x in big.extents] == [CHUNK, CHUNK, MiB + 123]
+    assert [c.name for c in m.listdir("dir03")] == [f"file{i:03d}.bin" for i in range(50)]
+    assert m.lookup("dir03/nope") is None
+
+
+def test_new_version_shares_unchanged_chunks(store: S3Store, tree: Path) -> None:
+    v1 = put_dataset(store, tree, "ds", chunk_size=CHUNK)
+    before = chunk_objects(store)
+    assert len(before) == len({c.id for c in v1.chunks}) >= 8
+
+    # Same content again: nothing new is uploaded.
+    counters: list[PutProgress] = []
+    v2 = put_dataset(store, tree, "ds", chunk_size=CHUNK, progress=counters.append)
+    assert v2.chunks == v1.chunks and chunk_objects(store) == before
+    assert counters[-1].chunks_uploaded == 0
+
+    # One small file changed in place (same size) early in the tree: one new chunk.
+    victim = tree / "dir00" / "file001.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    v3 = put_dataset(store, tree, "ds", chunk_size=CHUNK)
+    new = chunk_objects(store) - before
+    assert len(new) == 1
+    holder = Manifest(v3, store.get).lookup("dir00/file001.bin")
+    assert holder is not None
+    assert {v3.chunks[x.chunk].id for x in holder.extents} == {k.rpartition("/")[2] for k in new}
+
+    # One byte of a big file: only the chunk holding that offset.
+    before = chunk_objects(store)
+    big = tree / "big" / "nine.bin"
+    with open(big, "r+b") as f:
+        f.seek(5 * MiB)
+        byte = f.read(1)
+        f.seek(5 * MiB)
+        f.write(bytes([byte[0] ^ 1]))
+    put_dataset(store, tree, "ds", chunk_size=CHUNK)
+    assert len(chunk_objects(store) - before) == 1
+
+    # A new small file in the middle: a few chunks near it at most, not all after it.
+    before = chunk_objects(store)
+    (tree / "dir02" / "file025-new.bin").write_bytes(random.Random(9).randbytes(30_000))
+    v5 = put_dataset(store, tree, "ds", chunk_size=CHUNK)
+    assert 1 <= len(chunk_objects(store) - before) <= 2
+    assert len(v5.chunks) >= 8
+    assert len(list_versions(store, "ds")) == 5
+
+
+def test_corrupt_chunk_never_gives_wrong_bytes(
+    store: S3Store, tree: Path, tmp_path: Path
+) -> None:
+    root = put_dataset(store, tree, "c", chunk_size=CHUNK)
+    cid = root.chunks[0].id
+    data = bytearray(store.get(fmt.chunk_key(cid)))
+    data[len(data) // 3] ^= 0x01
+    store.put(fmt.chunk_key(cid), bytes(data))
+    with pytest.raises(CorruptData, match=cid):
+        get_dataset(store, "c", tmp_path / "out1")
+    store.put(fmt.chunk_key(cid), bytes(data[:-1]))  # truncated
+    with pytest.raises(CorruptData, match=cid):
+        get_dataset(store, "c", tmp_path / "out2")
+    other = root.chunks[1].id  # a forged block list no longer matches the id
+    store.put(fmt.blocks_key(other), b"\0" * 32)
+    store.put(fmt.chunk_key(cid), store.get(fmt.chunk_key(other)))
+    with pytest.raises(CorruptData):
+        get_dataset(store, "c", tmp_path / "out3")
+
+
+def test_rm_collects_only_unreferenced_chunks(
+    store: S3Store, tree: Path, tmp_path: Path
+) -> None:
+    v1 = put_dataset(store, tree, "keep", chunk_size=CHUNK)
+    (tree / "dir01" / "file007.bin").write_bytes(b"changed" * 1000)
+    v2 = put_dataset(store, tree, "keep", chunk_size=CHUNK)
+    other = put_dataset(store, tree / "dir04", "other", chunk_size=CHUNK)
+    assert list_datasets(store) == ["keep", "other"]
+
+    result = remove(store, f"keep@{v1.version}")
+    assert result.versions == (v1.version,)
+    only_v1 = {c.id for c in v1.chunks} - {c.id for c in v2.chunks} - {
+        c.id for c in other.chunks
+    }
+    assert result.chunks_deleted == len(only_v1) >= 1
+    assert list_versions(store, "keep") == [v2.version]
+    get_dataset(store, "keep", tmp_path / "out")  # everything v2 needs is still there
+    assert (tmp_path / "out" / "dir01" / "file007.bin").read_bytes() == b"changed" * 1000
+    make_writable(tmp_path / "out")
+
+    with pytest.raises(NotFound, match="keep@nope"):
+        remove(store, "keep@nope")
+    remove(store, "keep")
+    remove(store, "other")
+    assert list(store.list()) == []
+    with pytest.raises(NotFound, match="'keep'"):
+        resolve(store, "keep")
+
+
+def test_put_rejects_bad_input(store: S3Store, tree: Path) -> None:
+    for size in (fmt.MIN_CHUNK_SIZE - 1, fmt.MAX_CHUNK_SIZE + 1):
+        with pytest.raises(UsageError, match=r"4 MiB and 256 MiB"):
+            put_dataset(store, tree, "x", chunk_size=size)
+    for name in ("", "-x", "a/b", "a@b", "x" * 129):
+        with pytest.raises(UsageError, match="invalid data set name"):
+            put_dataset(store, tree, name)
+    with pytest.raises(UsageError, match="not a directory"):
+        put_dataset(store, tree / "empty-file", "x")
+    with pytest.raises(UsageError):
+        resolve(store, "bad/name")
+    assert list(store.list()) == []
+
+
+def test_empty_tree(store: S3Store, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    root = put_dataset(store, tmp_path / "empty", "nothing", chunk_size=CHUNK)
+    assert (root.files, root.dirs, root.bytes, root.chunks, root.pages) == (0, 0, 0, (), ())
+    get_dataset(store, "nothing", tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+class FailingStore(FileStore):
+    """Fails the n-th chunk put, as a crash or outage in the middle of a put would."""
+
+    def __init__(self, root: Path, fail_at: int) -> None:
+        super().__init__(root, fsync=False)
+        self.puts = 0
+        self.fail_at = fail_at
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        if key.startswith("chunks/"):
+            self.puts += 1
+            if self.puts == self.fail_at:
+                raise StoreUnavailable("injected failure")
+        super().put(key, data)
+
+
+def test_put_retries_transient_errors(tree: Path, tmp_path: Path) -> None:
+    store = FailingStore(tmp_path / "st", fail_at=3)
+    root = put_dataset(store, tree, "retried", chunk_size=CHUNK, parallel=2)
+    get_dataset(store, "retried", tmp_path / "out")
+    assert (tmp_path / "out" / "big" / "nine.bin").read_bytes() == (
+        tree / "big" / "nine.bin"
+    ).read_bytes()
+    assert root.files > 300
+    make_writable(tmp_path / "out")
+
+
+def test_failed_put_leaves_no_visible_version(tree: Path, tmp_path: Path) -> None:
+    store = FailingStore(tmp_path / "st", fail_at=5)
+    with pytest.raises(StoreUnavailable, match="injected"):
+        put_dataset(store, tree, "half", chunk_size=CHUNK, parallel=2, retry_s=0)
+    assert list_datasets(store) == []
+    assert list(store.list("datasets/")) == []
+    store.fail_at = 0
+    root = put_dataset(store, tree, "half", chunk_size=CHUNK, parallel=2)
+    assert list_versions(store, "half") == [root.version]
