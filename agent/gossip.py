@@ -66,6 +66,7 @@ class Gossip:
         self._meta: dict[str, Any] = {}
         self._meta_at = 0.0
         self._wake = asyncio.Event()
+        self._sleep_until = 0.0  # when the protocol loop wakes by itself next
         self._sends: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ running
@@ -85,9 +86,11 @@ class Gossip:
                 self._publish_load(now)
                 await self._act_on_events()
                 delay = min(IDLE_TICK_S, max(0.01, self.swim.next_deadline() - time.monotonic()))
+                self._sleep_until = time.monotonic() + delay
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
         finally:
             for task in list(self._sends):
                 task.cancel()
@@ -121,8 +124,16 @@ class Gossip:
         outgoing = self.swim.receive(message, time.monotonic())
         replies = [o for o in outgoing if o.to == message.sender]
         self._send([o for o in outgoing if o.to != message.sender])
-        self._wake.set()
+        self._wake_if_due()
         return [_encode(o) for o in replies]
+
+    def _wake_if_due(self) -> None:
+        """Wake the protocol loop only when a message made something due before the
+        loop's own wake-up (a new timer, a state change to act on): an idle mesh's
+        pings and acks then cost no extra loop turn."""
+        assert self.swim is not None
+        if self.swim.has_events or self.swim.next_deadline() < self._sleep_until:
+            self._wake.set()
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
@@ -147,13 +158,13 @@ class Gossip:
         except grpc.aio.AioRpcError as exc:
             if self.swim is not None:
                 self._send(self.swim.send_failed(out.to, time.monotonic(), refused(exc)))
-                self._wake.set()
+                self._wake_if_due()
             return
         if self.swim is not None and reply.replies:
             now = time.monotonic()
             for data in reply.replies:
                 self._send(self.swim.receive(Message.from_json(json.loads(data)), now))
-            self._wake.set()
+            self._wake_if_due()
 
     # ------------------------------------------------------------------ metadata
     def meta(self) -> dict[str, Any]:

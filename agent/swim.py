@@ -207,6 +207,11 @@ class Swim:
         """N: members alive or suspect, this one included."""
         return self._n_live
 
+    @property
+    def has_events(self) -> bool:
+        """Whether :meth:`drain_events` has anything to return."""
+        return bool(self._events)
+
     def drain_events(self) -> list[tuple[str, str, str]]:
         """State changes since the last call: ``(member, old, new)``; old is "" for a
         member first heard of."""
