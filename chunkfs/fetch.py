@@ -508,6 +508,7 @@ class Readahead:
 
     def __init__(self, start: int, maximum: int, slack: int = 8 * MiB) -> None:
         self.start, self.maximum, self.slack = start, maximum, slack
+        self.lock = threading.Lock()  # for callers that share one between threads
         self.window = 0
         self._next: int | None = None
         self._ahead = 0
@@ -566,7 +567,8 @@ class FileReader:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
         pieces = self._pieces(entry, offset, length)
         if readahead is not None:
-            advice = readahead.advise(offset, length, entry.size)
+            with readahead.lock:
+                advice = readahead.advise(offset, length, entry.size)
             if advice is not None:
                 for chunk, start, size in self._pieces(entry, *advice):
                     self.reader.prefetch(chunk, start, size)
