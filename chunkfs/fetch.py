@@ -480,8 +480,11 @@ class ChunkReader:
             self.prefetch(chunk, 0, chunk.size)
 
     def close(self) -> None:
+        """Drop queued fetches and wait for running ones (each bounded by its deadline)."""
         self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
 
 def _verified(
