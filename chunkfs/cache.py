@@ -136,6 +136,7 @@ class ChunkCache:
         self.on_change = on_change
         self.stats = ReadStats()
         self._lock = threading.RLock()
+        self._flush_lock = threading.Lock()
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
         self._open_fds = 0
@@ -305,6 +306,10 @@ class ChunkCache:
 
     def flush(self) -> None:
         """Write the ``.have`` record of every chunk whose blocks changed."""
+        with self._flush_lock:  # one writer at a time, or an older record could land last
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             self._last_flush = time.monotonic()
             dirty = [(c.id, c.size, bytes(c.state)) for c in self._chunks.values() if c.dirty]

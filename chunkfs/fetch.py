@@ -480,8 +480,11 @@ class ChunkReader:
             self.prefetch(chunk, 0, chunk.size)
 
     def close(self) -> None:
+        """Drop queued fetches and wait for running ones (each bounded by its deadline)."""
         self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
 
 def _verified(
@@ -508,6 +511,7 @@ class Readahead:
 
     def __init__(self, start: int, maximum: int, slack: int = 8 * MiB) -> None:
         self.start, self.maximum, self.slack = start, maximum, slack
+        self.lock = threading.Lock()  # for callers that share one between threads
         self.window = 0
         self._next: int | None = None
         self._ahead = 0
@@ -566,7 +570,8 @@ class FileReader:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
         pieces = self._pieces(entry, offset, length)
         if readahead is not None:
-            advice = readahead.advise(offset, length, entry.size)
+            with readahead.lock:
+                advice = readahead.advise(offset, length, entry.size)
             if advice is not None:
                 for chunk, start, size in self._pieces(entry, *advice):
                     self.reader.prefetch(chunk, start, size)

@@ -604,6 +604,7 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
 
 
 main.add_command(data)
+main.add_command(__import__("hypermesh.chunkfs.mount").chunkfs.mount.mount)
 
 if __name__ == "__main__":
     main()
