@@ -25,15 +25,16 @@ from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.telemetry import detect_machine
 
 from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
-from hypermesh.errors import EtcdUnavailable, LeaseLost
+from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
-from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
+from hypermesh.model import COUNTED_REASONS, Attempt, MeshView, NodeRecord, dumps
 from hypermesh.sampling import expand, experiment_seed
 from hypermesh.templating import param_env, render
 from hypermesh.txns import (
@@ -82,6 +83,7 @@ class Agent:
         # Agents gossip with lan timings in every preset: real gRPC round trips
         # between Python processes on a loaded 2-core machine need them.
         self.gossip = Gossip(self, GossipConfig.lan())
+        self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -184,6 +186,8 @@ class Agent:
             await self._server.stop(grace=1.0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.mounts.close(), 4 * STOP_STEP_S)
             self.decide("stopped")
 
     def _task_died(self, task: asyncio.Task[Any]) -> None:
@@ -378,6 +382,24 @@ class Agent:
         )
         return env
 
+    async def _data_environment(self, ref: TaskRef, data: dict[str, str]) -> dict[str, str]:
+        """Mount the task's data sets; ``HM_DATA_<ALIAS>`` for each, ``HM_DATA`` for the
+        first, and ``HM_CHECKPOINT_DIR``: in the mounts' shared writable area when the
+        task has data (so a later attempt on any node finds it), else on this node."""
+        env: dict[str, str] = {}
+        for alias, spec in data.items():
+            path = await self.mounts.ensure(spec)
+            env[f"HM_DATA_{alias.upper()}"] = str(path)
+            env.setdefault("HM_DATA", str(path))
+        if "HM_DATA" in env:
+            checkpoints = Mounts.checkpoint_dir(Path(env["HM_DATA"]), ref.id)
+            await asyncio.to_thread(checkpoints.mkdir, parents=True, exist_ok=True)
+        else:  # a local mkdir: no thread hop on the hot path of trivial tasks
+            checkpoints = self.work_dir / "checkpoints" / ref.id
+            checkpoints.mkdir(parents=True, exist_ok=True)
+        env["HM_CHECKPOINT_DIR"] = str(checkpoints)
+        return env
+
     async def _execute(self, r: Running) -> None:
         ref, n = r.plan.ref, r.plan.attempt
         started = time.time()
@@ -393,9 +415,22 @@ class Agent:
                 "attempt": n,
             }
             commands = [render(c, values) for c in exp.command]
+            env = self._environment(ref, n, params)
+            try:
+                env.update(await self._data_environment(ref, dict(exp.data)))
+            except HypermeshError as exc:
+                # The data set cannot be mounted here: the attempt fails (its log says
+                # why) and retries, if any, may run where the store answers.
+                self.decide(f"{ref} attempt {n}: data: {exc}")
+                log_path = self.attempt_dir(ref, n) / "output.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log_path.write_text(f"hypermesh: cannot mount the task's data: {exc}\n")
+                outcome = Outcome("failed", None, "data", time.time())
+                await self._finish(r, exp.retries, started, outcome)
+                return
             r.process = AttemptProcess(
                 commands,
-                env=self._environment(ref, n, params),
+                env=env,
                 cwd=Path(wf.workdir or self.work_dir),
                 log_path=self.attempt_dir(ref, n) / "output.log",
                 timeout=exp.timeout,
@@ -425,7 +460,7 @@ class Agent:
         )
         final: str | None = outcome.state
         if outcome.state == "failed":
-            if outcome.reason in ("exit", "timeout"):
+            if outcome.reason in COUNTED_REASONS:
                 failures = self.view.counted_failures(ref) + 1
                 final = "failed" if failures > retries else None
             else:

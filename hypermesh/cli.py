@@ -181,6 +181,18 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "--spot-poll", type=float, default=None, help="Seconds between notice polls [lan: 2]."
 )
 @click.option(
+    "--store",
+    default=None,
+    metavar="URL",
+    help="Object store of data sets: s3://BUCKET[/PREFIX] or file:///PATH [env HYPERMESH_STORE].",
+)
+@click.option(
+    "--cache-size",
+    default="20GiB",
+    show_default=True,
+    help="Most bytes the chunk cache of each mounted data set holds.",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -205,6 +217,8 @@ def agent_start(
     leader_ttl: int | None,
     spot_notice_url: str | None,
     spot_poll: float | None,
+    store: str | None,
+    cache_size: str,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -222,6 +236,8 @@ def agent_start(
         "gpus": gpus,
         "gpu_type": gpu_type,
         "labels": _parse_labels(labels),
+        "store": store or os.environ.get("HYPERMESH_STORE") or None,
+        "cache_size": cache_size,
     }
     if name:
         overrides["name"] = name

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hypermesh.errors import UsageError
 from hypermesh.keyspace import NODE_NAME_RE
+from hypermesh.units import UnitError, parse_duration, parse_size
 
 ENV_ETCD = "HYPERMESH_ETCD"
 ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
@@ -79,6 +80,18 @@ class AgentConfig:
     """Which timing preset built this config (``lan`` or ``local``); components
     with configs of their own (gossip) pick the matching preset."""
 
+    store: str | None = None
+    """Object store of the data sets tasks read (``s3://BUCKET/PREFIX`` or
+    ``file:///PATH``; ``--store``, env ``HYPERMESH_STORE``). Without one, a task whose
+    experiment names ``data`` fails with reason ``data``."""
+
+    cache_size: str = "20GiB"
+    """Most bytes each data set mount's local chunk cache holds (``--cache-size``)."""
+
+    data_deadline: str = "30s"
+    """How long a read from a mounted data set retries an unavailable store before
+    it fails with EIO."""
+
     claim_batch: int = 32
     """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
     fewer round trips when many tasks are pending, but conflict more often when
@@ -96,6 +109,15 @@ class AgentConfig:
         _check_range("claim_batch", self.claim_batch, 1, 100)
         _check_range("--leader-ttl", self.leader_ttl, 2, 60)
         _check_range("--spot-poll", self.spot_poll, 0.1, 60)
+        try:
+            parse_size(self.cache_size)
+            parse_duration(self.data_deadline)
+        except UnitError as exc:
+            raise UsageError(f"--cache-size {self.cache_size!r}: {exc}") from exc
+        if self.store is not None and not self.store.startswith(("s3://", "file:///")):
+            raise UsageError(
+                f"--store {self.store!r}: expected s3://BUCKET[/PREFIX] or file:///ABSOLUTE/PATH"
+            )
         if self.preset not in ("lan", "local"):
             raise UsageError(f"preset {self.preset!r}: expected 'lan' or 'local'")
         if self.gpus is not None:

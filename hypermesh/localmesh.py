@@ -281,6 +281,7 @@ class AgentProcess:
             return None
         code = _stop_process(self.proc, timeout)
         self.proc = None
+        unmount_under(self.work_dir)  # the agent unmounts its own; this catches a stuck one
         return code
 
     def kill(self) -> None:
@@ -305,6 +306,26 @@ class AgentProcess:
                 for p in [proc, *proc.children(recursive=True)]:
                     with contextlib.suppress(psutil.NoSuchProcess):
                         p.kill()
+        # A vanished machine's FUSE mounts vanish with it; here they would linger.
+        unmount_under(self.work_dir)
+
+
+def unmount_under(root: Path) -> list[str]:
+    """Lazily unmount every FUSE file system mounted at or below ``root`` (data set
+    mounts of agents that died without unmounting); returns their mount points."""
+    prefix = str(Path(root).resolve())
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3 or not fields[2].startswith("fuse"):
+                continue
+            point = fields[1].encode().decode("unicode_escape")  # \040 for spaces
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    for point in sorted(found, reverse=True):  # nested mounts first
+        subprocess.run(["fusermount3", "-uz", point], check=False, capture_output=True)
+    return found
 
 
 def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 # Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
-REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout")
-COUNTED_REASONS = frozenset({"exit", "timeout"})
+REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data")
+# Failures that count against an experiment's retries (a lost or preempted node does not).
+COUNTED_REASONS = frozenset({"exit", "timeout", "data"})
 
 
 def dumps(value: dict[str, Any]) -> bytes:

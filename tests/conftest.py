@@ -21,7 +21,7 @@ import psutil
 import pytest
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
+from hypermesh.localmesh import AgentProcess, EtcdServer, unmount_under, wait_for
 from hypermesh.s3server import S3Server
 
 # All tests share one bucket: SeaweedFS gives every bucket its own volumes, so a
@@ -133,6 +133,7 @@ class Mesh:
     def close(self) -> None:
         for proc in self.agents.values():
             proc.terminate(timeout=20)
+        unmount_under(self.root)  # whatever a killed agent's mounts left behind
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}\n{a.log_tail()}" for n, a in self.agents.items())
