@@ -18,8 +18,14 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from hypermesh.s3server import S3Server
+
+MESH_BUCKET = "hypermesh"  # the local mesh's bucket on its own S3 server
 
 
 def free_port() -> int:
@@ -352,6 +358,7 @@ class LocalMesh:
         namespace: str = "default",
         fsync: bool = True,
         agent_args: Sequence[str] = (),
+        s3: bool = False,
     ) -> None:
         self.root = Path(root)
         self.namespace = namespace
@@ -360,10 +367,21 @@ class LocalMesh:
         self.slots = slots
         self.agent_args = list(agent_args)
         self.agents: list[AgentProcess] = []
+        # With s3, a SeaweedFS server holds the mesh's data sets (store ``store_url``).
+        self.s3: S3Server | None = None
+        if s3:
+            from hypermesh.s3server import S3Server  # it imports this module
+
+            self.s3 = S3Server(self.root / "s3")
+        self.store_url: str | None = None
 
     def start(self) -> LocalMesh:
         try:
             self.etcd.start()
+            if self.s3 is not None:
+                self.s3.start()
+                self.s3.make_bucket(MESH_BUCKET)
+                self.store_url = self.s3.url(MESH_BUCKET, "mesh")
             for i in range(self.agent_count):
                 self.add_agent(f"node{i + 1}")
         except BaseException:
@@ -381,18 +399,26 @@ class LocalMesh:
             self.root / name,
             slots=slots or self.slots,
             extra=[*self.agent_args, *extra],
+            env=dict(os.environ, **self.env()) if self.s3 is not None else None,
         )
         self.agents.append(agent)
         agent.start()
         return agent
 
     def env(self) -> dict[str, str]:
-        return {"HYPERMESH_ETCD": self.etcd.url, "HYPERMESH_NAMESPACE": self.namespace}
+        """What points the CLI (and agents) at this mesh, its store included."""
+        env = {"HYPERMESH_ETCD": self.etcd.url, "HYPERMESH_NAMESPACE": self.namespace}
+        if self.s3 is not None and self.store_url is not None:
+            env.update(self.s3.client_env(), HYPERMESH_STORE=self.store_url)
+        return env
 
     def close(self) -> None:
         for agent in self.agents:
             agent.terminate(timeout=15)
+        unmount_under(self.root)
         self.etcd.stop()
+        if self.s3 is not None:
+            self.s3.stop()
 
     def __enter__(self) -> LocalMesh:
         return self.start()

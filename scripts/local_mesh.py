@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """A local mesh on loopback: a real etcd plus N agents, each in its own work directory.
 
-    local_mesh.py up  [--agents N] [--slots S] [--dir .mesh]   # run until Ctrl-C
-    local_mesh.py run RECIPE [--agents N] [--slots S]          # start, submit --wait, stop
+    local_mesh.py up  [--agents N] [--slots S] [--dir .mesh] [--s3] [--data NAME=DIR ...]
+    local_mesh.py run RECIPE [--agents N] [--slots S] [--s3] [--data NAME=DIR ...]
 
-``up`` prints the environment to point the CLI at the mesh
-(``HYPERMESH_ETCD``, ``HYPERMESH_NAMESPACE``). Everything it started is stopped
-on exit.
+``up`` runs until Ctrl-C and prints the environment to point the CLI at the mesh
+(``HYPERMESH_ETCD``, ``HYPERMESH_NAMESPACE``; with ``--s3`` also
+``HYPERMESH_STORE`` and the S3 client variables). ``run`` starts the mesh, runs
+``submit RECIPE --wait`` and stops. ``--s3`` starts a SeaweedFS S3 server as the
+mesh's object store (agents get ``--store``); ``--data NAME=DIR`` puts DIR there
+as data set NAME before anything runs (implies ``--s3``). Everything it started
+is stopped on exit.
 """
 
 from __future__ import annotations
@@ -31,13 +35,31 @@ def _start(opts: argparse.Namespace) -> LocalMesh:
     if root.exists() and opts.fresh:
         shutil.rmtree(root)
     print(f"local mesh: starting etcd and {opts.agents} agent(s) under {root}", file=sys.stderr)
-    mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots, namespace=opts.namespace)
+    s3 = opts.s3 or bool(opts.data)
+    mesh = LocalMesh(
+        root, agents=opts.agents, slots=opts.slots, namespace=opts.namespace, s3=s3
+    )
     mesh.start()
     for agent in mesh.agents:
         print(
             f"local mesh: agent {agent.name} at {agent.address} (log {agent.log_path})",
             file=sys.stderr,
         )
+    if mesh.s3 is not None:
+        print(f"local mesh: object store {mesh.store_url} at {mesh.s3.endpoint}", file=sys.stderr)
+    try:
+        for spec in opts.data:
+            name, _, folder = spec.partition("=")
+            subprocess.run(
+                [*hypermesh_command(), "data", "put", folder, name],
+                env=dict(os.environ, **mesh.env()),
+                stdout=subprocess.DEVNULL,
+                check=True,
+            )
+            print(f"local mesh: data set {name} put from {folder}", file=sys.stderr)
+    except BaseException:
+        mesh.close()
+        raise
     return mesh
 
 
@@ -104,6 +126,14 @@ def main() -> int:
         p.add_argument("--slots", type=int, default=2)
         p.add_argument("--namespace", default="default")
         p.add_argument("--dir", default=str(ROOT / ".mesh"))
+        p.add_argument("--s3", action="store_true", help="run an S3 server as the object store")
+        p.add_argument(
+            "--data",
+            action="append",
+            default=[],
+            metavar="NAME=DIR",
+            help="put DIR into the store as data set NAME first (repeatable; implies --s3)",
+        )
         p.add_argument(
             "--keep",
             dest="fresh",

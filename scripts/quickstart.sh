@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Install everything, start a local mesh (etcd + 2 agents on loopback), run the
-# example preprocess -> sweep -> inference workflow with live progress, show the
-# result, and stop the mesh.
+# Install everything, start a local mesh (etcd, an S3 server and 2 agents on
+# loopback), put the example's raw data set into the object store, run the
+# preprocess -> sweep -> inference workflow (prep reads the data set through the
+# agents' chunkfs mounts) with live progress, show the result, and stop the mesh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python scripts/local_mesh.py run examples/pipeline/pipeline.yaml --agents 2 --slots 2 "$@"
+.venv/bin/python examples/pipeline/make_raw.py .mesh-raw/pipeline-raw
+exec .venv/bin/python scripts/local_mesh.py run examples/pipeline/pipeline.yaml --agents 2 --slots 2 \
+  --data pipeline-raw=.mesh-raw/pipeline-raw "$@"
