@@ -1,7 +1,8 @@
 """Gossip between agents: the I/O around the pure SWIM state machine (``swim.py``).
 
-This module carries the protocol's messages over the agent's gRPC API (one-way
-``Gossip`` calls), tells the protocol when a peer refused a connection, feeds it
+This module carries the protocol's messages over the agent's gRPC API (one
+``GossipStream`` per peer, ``gossip_link.py``), tells the protocol when a peer
+refused a connection, feeds it
 the node's load as metadata, and turns its verdicts into action: when a member
 is declared dead, the leader (or every agent, when the leader is the one that
 died or none is known) revokes that node's etcd lease, so its tasks are claimed
@@ -22,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.gossip_link import PeerLink
 from hypermesh.agent.swim import Message, Outgoing, Swim
 
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh._proto import agent_pb2
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
@@ -46,14 +48,6 @@ def _encode(out: Outgoing) -> bytes:
     return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
 
 
-def refused(exc: grpc.aio.AioRpcError) -> bool:
-    """Whether a failed call means nothing listens at the address (the process is gone)."""
-    # Only ECONNREFUSED: an unreachable or partitioned host times out or reports
-    # "no route", and must go through suspicion like any silent member.
-    details = (exc.details() or "").lower()
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in details
-
-
 class Gossip:
     """One agent's membership in the gossip mesh. Owned by the agent's event loop."""
 
@@ -62,6 +56,7 @@ class Gossip:
         self.cfg = cfg
         self.swim: Swim | None = None
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.links: dict[str, PeerLink] = {}
         self.revoked: set[tuple[str, int]] = set()
         self._meta: dict[str, Any] = {}
         self._meta_at = 0.0
@@ -94,6 +89,8 @@ class Gossip:
         finally:
             for task in list(self._sends):
                 task.cancel()
+            for link in self.links.values():
+                await link.close()
             closing = [channel.close() for channel in self.channels.values()]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*closing), 2.0)
@@ -144,27 +141,29 @@ class Gossip:
 
     def _send(self, outgoing: list[Outgoing]) -> None:
         for out in outgoing:
-            task = asyncio.create_task(self._deliver(out))
-            self._sends.add(task)
-            task.add_done_callback(self._sends.discard)
+            link = self.links.get(out.address)
+            if link is None:
+                link = PeerLink(
+                    self._channel(out.address),
+                    self.cfg.probe_timeout,
+                    self._on_reply,
+                    self._on_failed,
+                )
+                self.links[out.address] = link
+            link.send(out, _encode(out))
 
-    async def _deliver(self, out: Outgoing) -> None:
-        stub = agent_pb2_grpc.AgentStub(self._channel(out.address))
-        try:
-            packet = agent_pb2.GossipPacket(payload=_encode(out))
-            reply = await stub.Gossip(packet, timeout=self.cfg.probe_timeout)
-        except grpc.aio.UsageError:
-            return  # the channel was closed: this node is stopping
-        except grpc.aio.AioRpcError as exc:
-            if self.swim is not None:
-                self._send(self.swim.send_failed(out.to, time.monotonic(), refused(exc)))
-                self._wake_if_due()
+    def _on_reply(self, payload: bytes) -> None:
+        if self.swim is None:
             return
-        if self.swim is not None and reply.replies:
-            now = time.monotonic()
-            for data in reply.replies:
-                self._send(self.swim.receive(Message.from_json(json.loads(data)), now))
-            self._wake_if_due()
+        self._send(self.swim.receive(Message.from_json(json.loads(payload)), time.monotonic()))
+        self._wake_if_due()
+
+    def _on_failed(self, tag: object, was_refused: bool) -> None:
+        assert isinstance(tag, Outgoing)
+        if self.swim is None:
+            return
+        self._send(self.swim.send_failed(tag.to, time.monotonic(), was_refused))
+        self._wake_if_due()
 
     # ------------------------------------------------------------------ metadata
     def meta(self) -> dict[str, Any]:

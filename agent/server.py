@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+from hypermesh.agent.gossip_link import serve_stream
 from hypermesh.agent.telemetry import cpu_percent
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
@@ -110,6 +111,12 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"bad gossip message: {exc}"
                 )
         return agent_pb2.GossipAck(replies=replies)
+
+    async def GossipStream(
+        self, request_iterator: AsyncIterator[agent_pb2.GossipPacket], context: object
+    ) -> AsyncIterator[agent_pb2.GossipAck]:
+        async for ack in serve_stream(request_iterator, self.agent.gossip.receive):
+            yield ack
 
     async def GetMembers(
         self, request: agent_pb2.GetMembersRequest, context: object

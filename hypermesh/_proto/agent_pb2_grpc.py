@@ -55,6 +55,11 @@ class AgentStub:
                 request_serializer=agent__pb2.GossipPacket.SerializeToString,
                 response_deserializer=agent__pb2.GossipAck.FromString,
                 _registered_method=True)
+        self.GossipStream = channel.stream_stream(
+                '/hypermesh.v1.Agent/GossipStream',
+                request_serializer=agent__pb2.GossipPacket.SerializeToString,
+                response_deserializer=agent__pb2.GossipAck.FromString,
+                _registered_method=True)
         self.GetMembers = channel.unary_unary(
                 '/hypermesh.v1.Agent/GetMembers',
                 request_serializer=agent__pb2.GetMembersRequest.SerializeToString,
@@ -98,6 +103,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GossipStream(self, request_iterator, context):
+        """The same messages on one long-lived stream per peer (what agents use: a
+        message on an open stream costs a third less CPU than a call). Replies to a
+        message come back on the stream, in order; messages without replies get none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetMembers(self, request, context):
         """The gossip member table as this node sees it.
         """
@@ -125,6 +139,11 @@ def add_AgentServicer_to_server(servicer, server):
             ),
             'Gossip': grpc.unary_unary_rpc_method_handler(
                     servicer.Gossip,
+                    request_deserializer=agent__pb2.GossipPacket.FromString,
+                    response_serializer=agent__pb2.GossipAck.SerializeToString,
+            ),
+            'GossipStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GossipStream,
                     request_deserializer=agent__pb2.GossipPacket.FromString,
                     response_serializer=agent__pb2.GossipAck.SerializeToString,
             ),
@@ -240,6 +259,33 @@ class Agent:
             request,
             target,
             '/hypermesh.v1.Agent/Gossip',
+            agent__pb2.GossipPacket.SerializeToString,
+            agent__pb2.GossipAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GossipStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hypermesh.v1.Agent/GossipStream',
             agent__pb2.GossipPacket.SerializeToString,
             agent__pb2.GossipAck.FromString,
             options,
