@@ -89,7 +89,7 @@ class FetchConfig:
     """
 
     deadline_s: float = 30.0
-    range_bytes: int = 4 * MiB
+    range_bytes: int = 8 * MiB
     threads: int = 16
     prefetch_threads: int = 8
     prefetch_queue: int = 48
@@ -247,35 +247,38 @@ class ChunkReader:
     def _fetch_run(
         self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
     ) -> None:
-        """Fetch, verify and cache one run of claimed blocks; resolve their futures."""
+        """Fetch and verify one run of claimed blocks, hand them to waiting reads, cache them.
+
+        Waiting reads get their blocks before the blocks are written to the cache; the
+        claims are released only after, so no read fetches a block a second time.
+        """
         results: dict[int, _Result | BaseException] = {}
         try:
             results = self._fetch_blocks(chunk, block_list, run, deadline)
-            self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
-            for i, result in results.items():
-                if isinstance(result, tuple):
-                    self.cache.put_block(chunk.id, i, result[0])
         except BaseException as exc:
-            for i in run:
-                results.setdefault(i, exc)
+            results = dict.fromkeys(run, exc)
             if not isinstance(exc, HypermeshError):
                 log.exception("fetch of chunk %s blocks %s failed", chunk.id, run)
+        for i in run:
+            results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
+        good = {i: r for i, r in results.items() if isinstance(r, tuple)}
+        self._resolve(chunk.id, {i: r for i, r in results.items() if i not in good})
+        with self._lock:
+            _settle({i: self._inflight.get((chunk.id, i)) for i in good}, results)
+        try:
+            self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
+            for i, (block, _source) in good.items():
+                self.cache.put_block(chunk.id, i, block)
+        except Exception:
+            log.exception("caching chunk %s blocks %s failed", chunk.id, run)
         finally:
-            for i in run:
-                results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
-            self._resolve(chunk.id, results)
+            self._resolve(chunk.id, good)
 
     def _resolve(self, cid: str, results: dict[int, _Result | BaseException]) -> None:
+        """Release the claims of these blocks (their futures get ``results`` if not done)."""
         with self._lock:
             futures = {i: self._inflight.pop((cid, i), None) for i in results}
-        for i, fut in futures.items():
-            if fut is None or fut.done():
-                continue
-            result = results[i]
-            if isinstance(result, BaseException):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
+        _settle(futures, results)
 
     def _fetch_blocks(
         self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
@@ -487,6 +490,20 @@ class ChunkReader:
         self._pool.shutdown(wait=True)
 
 
+def _settle(
+    futures: dict[int, Future[_Result] | None], results: dict[int, _Result | BaseException]
+) -> None:
+    """Give each future that is not done yet its block's result or error."""
+    for i, fut in futures.items():
+        if fut is None or fut.done():
+            continue
+        result = results[i]
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+
 def _verified(
     chunk: ChunkInfo, block_list: bytes, data: memoryview, first: int, index: int
 ) -> memoryview | None:
@@ -568,6 +585,7 @@ class FileReader:
         self, entry: Entry, offset: int, length: int, readahead: Readahead | None = None
     ) -> bytes:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
+        self.reader.stats.add("file_reads")
         pieces = self._pieces(entry, offset, length)
         if readahead is not None:
             with readahead.lock:
