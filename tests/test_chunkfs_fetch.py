@@ -262,7 +262,8 @@ def test_a_restarted_reader_uses_the_cache_on_disk(fake: FakeStore, tmp_path: Pa
     [
         # (offset, length) of successive reads of a 100 MiB file → prefetch advice
         ([(0, MiB)], [(MiB, 4 * MiB)]),
-        ([(0, MiB), (MiB, MiB)], [(MiB, 4 * MiB), (5 * MiB, 5 * MiB)]),
+        ([(0, MiB), (MiB, MiB)], [(MiB, 4 * MiB), None]),  # less than a step is not worth it
+        ([(0, MiB), (MiB, MiB), (2 * MiB, MiB)], [(MiB, 4 * MiB), None, (5 * MiB, 14 * MiB)]),
         ([(0, MiB), (50 * MiB, MiB)], [(MiB, 4 * MiB), None]),  # a jump resets
         ([(50 * MiB, MiB), (51 * MiB, MiB)], [None, (52 * MiB, 4 * MiB)]),
         ([(98 * MiB, MiB), (99 * MiB, MiB)], [None, None]),  # nothing left to fetch
@@ -286,7 +287,7 @@ def test_readahead_window_grows_to_its_maximum_and_keeps_ahead() -> None:
             ahead = advice[0] + advice[1]
         assert ahead <= (i + 1) * MiB + 16 * MiB
     assert ra.window == 16 * MiB
-    assert ahead >= 40 * MiB + 16 * MiB - 2 * MiB
+    assert ahead >= 40 * MiB + 16 * MiB - 8 * MiB  # within one step of the window
 
 
 def test_sequential_file_reads_prefetch_across_chunks(fake: FakeStore, reader: ChunkReader) -> None:
