@@ -610,6 +610,8 @@ class FileReader:
             if advice is not None:
                 for chunk, start, size in self._pieces(entry, *advice):
                     self.reader.prefetch(chunk, start, size)
-        sequential = readahead is not None and readahead.window > 0
+        sequential = (
+            readahead is not None and readahead.window > 0 and offset + length < entry.size
+        )
         data = [self.reader.read(chunk, start, size, sequential) for chunk, start, size in pieces]
         return data[0] if len(data) == 1 else b"".join(data)
