@@ -88,6 +88,7 @@ class ReadStats:
             "corrupt_blocks": 0,
             "read_errors": 0,
             "prefetched_blocks": 0,
+            "file_reads": 0,
         }
 
     def served(self, source: str, blocks: int, nbytes: int) -> None:

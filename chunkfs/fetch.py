@@ -89,7 +89,7 @@ class FetchConfig:
     """
 
     deadline_s: float = 30.0
-    range_bytes: int = 4 * MiB
+    range_bytes: int = 8 * MiB
     threads: int = 16
     prefetch_threads: int = 8
     prefetch_queue: int = 48
@@ -161,24 +161,35 @@ class ChunkReader:
         self._missed: OrderedDict[str, set[int]] = OrderedDict()
 
     # ---------------------------------------------------------------- reading
-    def read(self, chunk: ChunkInfo, offset: int, length: int) -> bytes:
-        """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified."""
+    def read(
+        self, chunk: ChunkInfo, offset: int, length: int, sequential: bool = False
+    ) -> bytes:
+        """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified.
+
+        ``sequential``: the caller reads on from here; a miss then also fetches the
+        blocks after the range (up to one run) that nobody fetches yet, in the same GET.
+        """
         length = min(length, chunk.size - offset)
         if length <= 0:
             return b""
         deadline = time.monotonic() + self.config.deadline_s
         try:
-            return self._read(chunk, offset, length, deadline)
+            return self._read(chunk, offset, length, deadline, sequential)
         except HypermeshError:
             self.stats.add("read_errors")
             raise
 
-    def _read(self, chunk: ChunkInfo, offset: int, length: int, deadline: float) -> bytes:
+    def _read(
+        self, chunk: ChunkInfo, offset: int, length: int, deadline: float, sequential: bool
+    ) -> bytes:
         cid = chunk.id
         block_list = self._block_list(chunk, deadline)
         first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
         with self.cache.pin(cid):
             waits, new = self._claim(chunk, range(first, last + 1))
+            if new and sequential and new[-1] == last:
+                more_end = min(block_count(chunk.size), new[-1] + self.config.run_blocks)
+                new += self._claim(chunk, range(last + 1, more_end))[1]
             self._start(chunk, block_list, new, deadline, self._pool)
             if new:
                 self._note_misses(chunk, new)
@@ -247,35 +258,41 @@ class ChunkReader:
     def _fetch_run(
         self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
     ) -> None:
-        """Fetch, verify and cache one run of claimed blocks; resolve their futures."""
+        """Fetch and verify one run of claimed blocks, hand them to waiting reads, cache them.
+
+        Waiting reads get their blocks before the blocks are written to the cache; the
+        claims are released only after, so no read fetches a block a second time.
+        """
         results: dict[int, _Result | BaseException] = {}
         try:
             results = self._fetch_blocks(chunk, block_list, run, deadline)
-            self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
-            for i, result in results.items():
-                if isinstance(result, tuple):
-                    self.cache.put_block(chunk.id, i, result[0])
         except BaseException as exc:
-            for i in run:
-                results.setdefault(i, exc)
+            results = dict.fromkeys(run, exc)
             if not isinstance(exc, HypermeshError):
                 log.exception("fetch of chunk %s blocks %s failed", chunk.id, run)
+        for i in run:
+            results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
+        good: dict[int, _Result | BaseException] = {
+            i: r for i, r in results.items() if isinstance(r, tuple)
+        }
+        self._resolve(chunk.id, {i: r for i, r in results.items() if i not in good})
+        with self._lock:
+            _settle({i: self._inflight.get((chunk.id, i)) for i in good}, results)
+        try:
+            self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
+            for i, result in good.items():
+                assert isinstance(result, tuple)
+                self.cache.put_block(chunk.id, i, result[0])
+        except Exception:
+            log.exception("caching chunk %s blocks %s failed", chunk.id, run)
         finally:
-            for i in run:
-                results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
-            self._resolve(chunk.id, results)
+            self._resolve(chunk.id, good)
 
     def _resolve(self, cid: str, results: dict[int, _Result | BaseException]) -> None:
+        """Release the claims of these blocks (their futures get ``results`` if not done)."""
         with self._lock:
             futures = {i: self._inflight.pop((cid, i), None) for i in results}
-        for i, fut in futures.items():
-            if fut is None or fut.done():
-                continue
-            result = results[i]
-            if isinstance(result, BaseException):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
+        _settle(futures, results)
 
     def _fetch_blocks(
         self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
@@ -487,6 +504,20 @@ class ChunkReader:
         self._pool.shutdown(wait=True)
 
 
+def _settle(
+    futures: dict[int, Future[_Result] | None], results: dict[int, _Result | BaseException]
+) -> None:
+    """Give each future that is not done yet its block's result or error."""
+    for i, fut in futures.items():
+        if fut is None or fut.done():
+            continue
+        result = results[i]
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+
 def _verified(
     chunk: ChunkInfo, block_list: bytes, data: memoryview, first: int, index: int
 ) -> memoryview | None:
@@ -506,11 +537,14 @@ class Readahead:
     A read that starts at offset 0, or near where the last one ended (within
     ``slack``: the kernel may have several reads of one file in flight), is sequential;
     each one doubles the window (from ``start`` up to ``maximum``). Anything else resets
-    it. Pure logic; the caller serialises calls.
+    it. Advice comes in pieces of at least ``step`` bytes (one ranged GET's worth) once
+    the window is that large. Pure logic; the caller serialises calls.
     """
 
-    def __init__(self, start: int, maximum: int, slack: int = 8 * MiB) -> None:
-        self.start, self.maximum, self.slack = start, maximum, slack
+    def __init__(
+        self, start: int, maximum: int, step: int = 8 * MiB, slack: int = 8 * MiB
+    ) -> None:
+        self.start, self.maximum, self.step, self.slack = start, maximum, step, slack
         self.lock = threading.Lock()  # for callers that share one between threads
         self.window = 0
         self._next: int | None = None
@@ -532,7 +566,7 @@ class Readahead:
             return None
         target = min(size, self._next + self.window)
         begin = max(self._next, self._ahead)
-        if target <= begin or (target - begin < self.start // 2 and target < size):
+        if target <= begin or (target - begin < min(self.step, self.window) and target < size):
             return None
         self._ahead = target
         return begin, target - begin
@@ -568,6 +602,7 @@ class FileReader:
         self, entry: Entry, offset: int, length: int, readahead: Readahead | None = None
     ) -> bytes:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
+        self.reader.stats.add("file_reads")
         pieces = self._pieces(entry, offset, length)
         if readahead is not None:
             with readahead.lock:
@@ -575,5 +610,8 @@ class FileReader:
             if advice is not None:
                 for chunk, start, size in self._pieces(entry, *advice):
                     self.reader.prefetch(chunk, start, size)
-        data = [self.reader.read(chunk, start, size) for chunk, start, size in pieces]
+        sequential = (
+            readahead is not None and readahead.window > 0 and offset + length < entry.size
+        )
+        data = [self.reader.read(chunk, start, size, sequential) for chunk, start, size in pieces]
         return data[0] if len(data) == 1 else b"".join(data)

@@ -31,9 +31,9 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 from hypermesh.chunkfs.fetch import FileReader, Readahead
@@ -51,6 +51,7 @@ DATA_TIMEOUT = 3600.0  # seconds the kernel may cache entries and attributes of 
 BLKSIZE = 1 << 20  # st_blksize: tools size their buffers by it
 DIR_BATCH = 256  # directory entries taken from the manifest per thread hop
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 def errno_of(exc: BaseException) -> int:
@@ -66,11 +67,11 @@ def errno_of(exc: BaseException) -> int:
     return errno.EIO
 
 
-def _fuse_errors(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _fuse_errors(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
     """Turn what an operation raises into a ``FUSEError``; log every EIO with its cause."""
 
     @functools.wraps(fn)
-    async def op(*args: Any, **kwargs: Any) -> T:
+    async def op(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
@@ -126,7 +127,7 @@ class ChunkFS(pyfuse3.Operations):
         outputs: Outputs | None,
         stats: Callable[[], dict[str, Any]],
         *,
-        readahead: tuple[int, int] = (4 << 20, 64 << 20),
+        readahead: tuple[int, int, int] = (4 << 20, 64 << 20, 8 << 20),
     ) -> None:
         super().__init__()
         self.root = root
@@ -250,6 +251,9 @@ class ChunkFS(pyfuse3.Operations):
             path = parent.rpartition("/")[0]
         else:
             path = self._join(parent, text)
+        known = self._ino.get(path)
+        if known is not None and known in self._entries:  # seen before: no thread hop
+            return self._data_attr(known, self._entries[known])
         return await _thread(self._attr_of, path)
 
     @_fuse_errors

@@ -154,7 +154,7 @@ def serve(
         FileReader(reader, root.chunks),
         outputs,
         stats,
-        readahead=(fetch.readahead_start, fetch.readahead_max),
+        readahead=(fetch.readahead_start, fetch.readahead_max, fetch.range_bytes),
     )
     options = set(pyfuse3.default_options)
     options |= {f"fsname=chunkfs:{root.name}@{root.version}", "subtype=chunkfs"}

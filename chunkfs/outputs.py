@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import tempfile
@@ -205,8 +206,10 @@ class Outputs:
         with open(local, "wb") as f:
             size = self._retry(lambda: self.store.size(_key(path))) or 0
             for start in range(0, size, 8 << 20):
-                n = min(8 << 20, size - start)
-                f.write(self._retry(lambda s=start, n=n: self.store.get_range(_key(path), s, n)))
+                piece = functools.partial(
+                    self.store.get_range, _key(path), start, min(8 << 20, size - start)
+                )
+                f.write(self._retry(piece))
 
     def read(self, fh: int, offset: int, size: int) -> bytes:
         handle = self._handles[fh]
@@ -338,7 +341,7 @@ class Outputs:
             for key in keys:
                 self._copy(key, _key(new) + key[len(_key(old)) :])
             for key in keys:
-                self._retry(lambda k=key: self.store.delete(k))
+                self._retry(functools.partial(self.store.delete, key))
         with self._lock:
             if staged is not None and self._staged.get(old) is staged:
                 del self._staged[old]

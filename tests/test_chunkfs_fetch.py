@@ -22,8 +22,8 @@ from hypermesh.s3server import S3Server
 from tests.test_chunkfs_cache import Chunk
 
 MiB = 1 << 20
-CONFIG = FetchConfig(deadline_s=3.0, threads=4, prefetch_threads=2, whole_chunk_after=0,
-                     max_delay_s=0.1)
+CONFIG = FetchConfig(deadline_s=3.0, range_bytes=4 * MiB, threads=4, prefetch_threads=2,
+                     whole_chunk_after=0, max_delay_s=0.1)
 
 
 class FakeStore(ObjectStore):
@@ -119,7 +119,9 @@ def test_a_read_fetches_only_the_blocks_it_needs(fake: FakeStore, reader: ChunkR
     stats = reader.stats.snapshot()
     assert stats["store_gets"] == 4  # the block list and three ranges
     assert stats["store_bytes"] == MiB + 4 * MiB + 5 + len(chunk.block_list)
-    assert stats["blocks"] == {"cache": 1, "peer": 0, "store": 6}
+    # block 3 came from the cache, or from its fetch if that was still being cached
+    assert stats["blocks"]["cache"] + stats["blocks"]["store"] == 7
+    assert stats["blocks"]["peer"] == 0
     # everything is cached now: no more GETs
     assert reader.read(info, 0 + 3 * MiB, 5 * MiB + 5) == chunk.data[3 * MiB :]
     assert len(fake.ranges) == 3
@@ -246,6 +248,7 @@ def test_a_restarted_reader_uses_the_cache_on_disk(fake: FakeStore, tmp_path: Pa
     info = put_chunk(fake, chunk)
     for reader in make_reader(fake, tmp_path):
         assert reader.read(info, 0, 2 * MiB) == chunk.data
+        reader.close()  # waits for blocks still being written to the cache
         reader.cache.close()
     gets = len(fake.ranges)
     for reader in make_reader(fake, tmp_path):
@@ -259,7 +262,8 @@ def test_a_restarted_reader_uses_the_cache_on_disk(fake: FakeStore, tmp_path: Pa
     [
         # (offset, length) of successive reads of a 100 MiB file → prefetch advice
         ([(0, MiB)], [(MiB, 4 * MiB)]),
-        ([(0, MiB), (MiB, MiB)], [(MiB, 4 * MiB), (5 * MiB, 5 * MiB)]),
+        ([(0, MiB), (MiB, MiB)], [(MiB, 4 * MiB), None]),  # less than a step is not worth it
+        ([(0, MiB), (MiB, MiB), (2 * MiB, MiB)], [(MiB, 4 * MiB), None, (5 * MiB, 14 * MiB)]),
         ([(0, MiB), (50 * MiB, MiB)], [(MiB, 4 * MiB), None]),  # a jump resets
         ([(50 * MiB, MiB), (51 * MiB, MiB)], [None, (52 * MiB, 4 * MiB)]),
         ([(98 * MiB, MiB), (99 * MiB, MiB)], [None, None]),  # nothing left to fetch
@@ -283,7 +287,7 @@ def test_readahead_window_grows_to_its_maximum_and_keeps_ahead() -> None:
             ahead = advice[0] + advice[1]
         assert ahead <= (i + 1) * MiB + 16 * MiB
     assert ra.window == 16 * MiB
-    assert ahead >= 40 * MiB + 16 * MiB - 2 * MiB
+    assert ahead >= 40 * MiB + 16 * MiB - 8 * MiB  # within one step of the window
 
 
 def test_sequential_file_reads_prefetch_across_chunks(fake: FakeStore, reader: ChunkReader) -> None:
