@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -59,6 +60,7 @@ STATS_FILE = ".chunkfs-stats"
 OP_THREADS = 64  # threads for blocking FUSE work (reads wait on fetches there)
 READAHEAD_KB = 8192  # the kernel's readahead for the mount's device, set after mounting
 START_TIMEOUT_S = 120.0  # how long a starter waits for the ready message
+PR_SET_PDEATHSIG = 1  # prctl(2)
 READY_TIMEOUT_S = 30.0  # how long the mount process waits for its own mount to answer
 
 
@@ -282,7 +284,7 @@ class MountProcess:
     ) -> None:
         self.spec, self.mountpoint, self.cache_dir = spec, Path(mountpoint), Path(cache_dir)
         self.args = [spec, str(mountpoint), "--cache-dir", str(cache_dir),
-                     "--cache-size", cache_size, "--deadline", deadline]
+                     "--cache-size", cache_size, "--deadline", deadline, "--die-with-parent"]
         if store_url:
             self.args += ["--store", store_url]
         self.env = env
@@ -343,6 +345,8 @@ class MountProcess:
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Log of the detached mount process [<cache-dir>/mount.log].")
 @click.option("--ready-fd", type=int, default=None, hidden=True)
+@click.option("--die-with-parent", is_flag=True, hidden=True,
+              help="Unmount and exit when the process that started this one dies.")
 def mount(
     spec: str,
     mountpoint: Path,
@@ -353,6 +357,7 @@ def mount(
     foreground: bool,
     log_file: Path | None,
     ready_fd: int | None,
+    die_with_parent: bool,
 ) -> None:
     """Mount data set NAME (its newest version, or VERSION) read-only at MOUNTPOINT.
 
@@ -377,6 +382,8 @@ def mount(
         _proc, message = spawn_mount(args, log_path=log_path, detach=True)
         _exit_with(message, log_path)
         return
+    if die_with_parent:
+        _die_with_parent()
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
               fetch=fetch, ready=report)
@@ -385,6 +392,20 @@ def mount(
         sys.exit(2)
     except HypermeshError as exc:
         report(f"err 1 {exc}")
+        sys.exit(1)
+
+
+def _die_with_parent() -> None:
+    """Have the kernel send SIGTERM (a clean unmount) when our parent dies: a mount
+    an agent started must not outlive the agent (a crashed agent restarts with
+    mounts of its own). Linux ties this to the *thread* that started us, so a
+    starter must not start mounts from short-lived threads (asyncio's executor
+    threads live as long as the loop)."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request took effect
         sys.exit(1)
 
 

@@ -7,13 +7,15 @@ Real etcd, real SeaweedFS, real FUSE mounts, real agent processes.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.localmesh import wait_for
-from tests.conftest import Mesh, task_pid
+from hypermesh.localmesh import unmount_under, wait_for
+from tests.conftest import Mesh, process_gone, task_pid
 
 
 def _dataset(store: S3Store, tmp_path: Path) -> None:
@@ -90,3 +92,29 @@ def test_an_agent_without_a_store_says_so(mesh: Mesh) -> None:
     )
     log = mesh.hm("logs", f"{wid}.e.0", check=True).stdout
     assert "no object store" in log
+
+
+def test_a_mount_started_by_a_program_ends_when_that_program_dies(
+    store: S3Store, store_url: str, tmp_path: Path
+) -> None:
+    _dataset(store, tmp_path)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    starter = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from hypermesh.chunkfs.mount import MountProcess\n"
+        f"m = MountProcess('toy', Path({str(mountpoint)!r}), "
+        f"cache_dir=Path({str(tmp_path / 'cache')!r}), store_url={store_url!r}).start()\n"
+        "print(m.proc.pid, flush=True)\n"
+        "os._exit(0)  # dies without stopping its mount\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", starter], capture_output=True, text=True, timeout=120, check=True
+    )
+    pid = int(out.stdout.split()[-1])
+    try:
+        wait_for(lambda: process_gone(pid), 30, "the orphaned mount process to exit")
+        wait_for(lambda: not os.path.ismount(mountpoint), 30, "the mount point to be unmounted")
+    finally:
+        unmount_under(tmp_path)
