@@ -25,10 +25,12 @@ from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.telemetry import detect_machine
 
+from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
@@ -36,10 +38,12 @@ from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import COUNTED_REASONS, Attempt, MeshView, NodeRecord, dumps
 from hypermesh.sampling import expand, experiment_seed
+from hypermesh.search import is_adaptive
 from hypermesh.templating import param_env, render
 from hypermesh.txns import (
     ClaimPlan,
     Finish,
+    add_task,
     claim_tasks,
     expand_experiment,
     finish_attempts,
@@ -314,13 +318,32 @@ class Agent:
                 wf = self.view.workflows[action.workflow]
                 exp = wf.recipe.experiment(action.experiment)
                 params = expand(exp, experiment_seed(wf.seed, exp))
-                if await expand_experiment(self.etcd, self.ks, wf.id, exp.name, params):
-                    self.decide(f"expanded {wf.id}/{exp.name} into {len(params)} tasks")
+                count = None
+                if is_adaptive(exp):  # trials are created one by one (leader.Suggest)
+                    params, count = [], exp.samples
+                if await expand_experiment(self.etcd, self.ks, wf.id, exp.name, params, count):
+                    self.decide(f"expanded {wf.id}/{exp.name} into {count or len(params)} tasks")
+            elif isinstance(action, leader.Suggest):
+                await self._suggest(action)
             else:
                 if await set_workflow_state(
                     self.etcd, self.ks, action.workflow, action.expected, action.state
                 ):
                     self.decide(f"workflow {action.workflow} is {action.state}")
+
+    async def _suggest(self, action: leader.Suggest) -> None:
+        """Create the next trials of an adaptive search (Optuna runs in a thread)."""
+        wf = self.view.workflows[action.workflow]
+        exp = wf.recipe.experiment(action.experiment)
+        seed = experiment_seed(wf.seed, exp)
+        trials = search.trials_of(self.view, wf.id, exp)
+        for index in action.indices:
+            params = await asyncio.to_thread(search.suggest, exp, seed, index, trials)
+            ref = TaskRef(wf.id, exp.name, index)
+            if not await add_task(self.etcd, self.ks, ref, params):
+                return  # another leader got there first; the watch brings its tasks
+            trials.append(search.Trial(index, params, "running"))
+            self.decide(f"suggested {ref}: {params}")
 
     def _stop_cancelled(self) -> None:
         for ref, r in self.running.items():
@@ -379,6 +402,7 @@ class Agent:
             HM_ATTEMPT=str(attempt),
             HM_NODE=self.cfg.name,
             HM_ATTEMPT_DIR=str(self.attempt_dir(ref, attempt)),
+            HM_METRICS_FILE=str(metrics_file(self.attempt_dir(ref, attempt))),
         )
         return env
 
@@ -428,17 +452,27 @@ class Agent:
                 outcome = Outcome("failed", None, "data", time.time())
                 await self._finish(r, exp.retries, started, outcome)
                 return
-            r.process = AttemptProcess(
+            log_path = self.attempt_dir(ref, n) / "output.log"
+            process = r.process = AttemptProcess(
                 commands,
                 env=env,
                 cwd=Path(wf.workdir or self.work_dir),
-                log_path=self.attempt_dir(ref, n) / "output.log",
+                log_path=log_path,
                 timeout=exp.timeout,
                 grace=self.cfg.kill_grace,
             )
             if self._stop.is_set():
                 r.process.stop("preempted", grace=self.drain_grace)
-            outcome = await r.process.run()
+            watch = attempt_watch(self, r, exp, log_path)
+            follower = asyncio.create_task(watch.follow(lambda: process.stop("pruned")))
+            try:
+                outcome = await r.process.run()
+            finally:
+                follower.cancel()
+            try:
+                await watch.finish()
+            except Exception as exc:  # the claim is gone or etcd is away: the result decides
+                self.decide(f"{ref} attempt {n}: metrics not stored: {exc}")
             await self._finish(r, exp.retries, started, outcome)
         except Exception:
             log.exception("%s: attempt %s/%d crashed", self.cfg.name, ref, n)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hypermesh.model import TERMINAL, MeshView
+from hypermesh.search import is_adaptive, next_indices
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,16 @@ class SetState:
     state: str
 
 
-Action = Expand | SetState
+@dataclass(frozen=True)
+class Suggest:
+    """Create the next trials (``indices``) of an adaptive search from the results so far."""
+
+    workflow: str
+    experiment: str
+    indices: tuple[int, ...]
+
+
+Action = Expand | SetState | Suggest
 
 
 def plan(view: MeshView) -> list[Action]:
@@ -40,6 +50,13 @@ def plan(view: MeshView) -> list[Action]:
         expanding = False
         for exp in wf.recipe.experiments:
             if (wid, exp.name) in view.expanded:
+                if is_adaptive(exp) and stored != "cancelled":
+                    counts = view.counts.get((wid, exp.name))
+                    created = sum(counts.values()) if counts else 0
+                    finished = sum(counts[s] for s in TERMINAL) if counts else 0
+                    todo = next_indices(exp, created, finished)
+                    if todo:
+                        actions.append(Suggest(wid, exp.name, tuple(todo)))
                 continue
             if all(summaries[dep].state == "succeeded" for dep in exp.after):
                 actions.append(Expand(wid, exp.name))

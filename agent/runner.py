@@ -55,7 +55,7 @@ class AttemptProcess:
         self._proc: asyncio.subprocess.Process | None = None
 
     def stop(self, reason: str, grace: float | None = None) -> None:
-        """Ask the attempt to end with ``reason`` (cancelled, preempted, node-lost)."""
+        """Ask the attempt to end with ``reason`` (cancelled, preempted, node-lost, pruned)."""
         if self._stop_reason is None:
             self._stop_reason = reason
             if grace is not None:
@@ -86,7 +86,8 @@ class AttemptProcess:
 
     def _stopped_outcome(self, code: int | None) -> Outcome:
         reason = self._stop_reason or "cancelled"
-        state = "cancelled" if reason == "cancelled" else "failed"
+        # A trial the search pruned ended as the search wanted: not a failure.
+        state = {"cancelled": "cancelled", "pruned": "succeeded"}.get(reason, "failed")
         return Outcome(state, code, reason, time.time())
 
     async def _run_one(self, command: str, log: object, deadline: float | None) -> tuple[int, bool]:

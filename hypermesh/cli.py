@@ -24,6 +24,7 @@ import click
 import grpc
 
 from hypermesh.cli_data import data
+from hypermesh.cli_ml import add_best, best_command, print_best_line
 from hypermesh.config import (
     ENV_ETCD,
     ENV_NAMESPACE,
@@ -402,6 +403,7 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
         else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
     )
     summaries = [view.workflow_summary(w) for w in ids]
+    add_best(view, summaries)
     if as_json:
         _print_json(summaries[0] if workflow else summaries)
         return
@@ -418,6 +420,7 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
                 f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
                 f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
             )
+            print_best_line(name, e)
 
 
 @main.command()
@@ -617,6 +620,24 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
         _err(f"{workflow} cancelled; running tasks are being stopped")
     else:
         _err(f"{workflow} had already ended: {state}")
+
+
+@main.command()
+@click.argument("workflow")
+@click.option("--experiment", default=None, help="Only this experiment [default: each with "
+              "an objective].")
+@click.option("-n", "count", type=click.IntRange(min=1), default=5, show_default=True,
+              help="How many trials per experiment.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def best(
+    mesh: Mesh, workflow: str, experiment: str | None, count: int, as_json: bool
+) -> None:
+    """Print the best trials of a workflow by its experiments' objectives."""
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+    best_command(view, workflow, experiment, count, as_json)
 
 
 main.add_command(data)

@@ -18,6 +18,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   claiming node's lease.
 - ``attempt/<wid>/<exp>/<index>/<n>``: attempt record; by the claiming node, fenced.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
+- ``metrics/<wid>/<exp>/<index>/<n>``: metrics attempt n reported (bounded, see
+  ``hypermesh.metrics``); by the claiming node, fenced like the attempt record.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class Keyspace:
     def result(self, ref: TaskRef) -> str:
         return f"{self.root}result/{ref.path}"
 
+    def metrics(self, ref: TaskRef, n: int) -> str:
+        return f"{self.root}metrics/{ref.path}/{n}"
+
     def slot(self, wid: str, experiment: str, k: int) -> str:
         return f"{self.root}slot/{wid}/{experiment}/{k}"
 
@@ -122,7 +127,7 @@ class Keyspace:
 
     def workflow_prefixes(self, wid: str) -> list[str]:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
-        kinds = ("task", "claim", "attempt", "result", "slot", "expanded")
+        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "metrics")
         return [self.workflow(wid), self.workflow_state(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]

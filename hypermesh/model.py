@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from hypermesh.errors import HypermeshError
 from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.metrics import AttemptMetrics
 from hypermesh.recipe import Experiment, Recipe
 from hypermesh.sampling import planned_count
 
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 # Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
-REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data")
+# ``pruned``: the search stopped a trial early; its attempt and task end succeeded.
+REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned")
 # Failures that count against an experiment's retries (a lost or preempted node does not).
 COUNTED_REASONS = frozenset({"exit", "timeout", "data"})
 
@@ -184,6 +186,7 @@ class MeshView:
         self.attempts: dict[TaskRef, dict[int, Attempt]] = defaultdict(dict)
         self.results: dict[TaskRef, Result] = {}
         self.slots: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.metrics: dict[TaskRef, dict[int, AttemptMetrics]] = defaultdict(dict)
         # Tasks with neither a claim nor a result, per (workflow, experiment).
         self.open: dict[tuple[str, str], set[int]] = defaultdict(set)
         # Known tasks per (workflow, experiment) by raw state: open, running, or
@@ -327,6 +330,13 @@ class MeshView:
             )
         self._refresh_open(ref, before)
 
+    def _apply_metrics(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref, n = self._ref(parts), int(parts[3])
+        if data is None:
+            self.metrics[ref].pop(n, None)
+        else:
+            self.metrics[ref][n] = AttemptMetrics.from_json(data)
+
     def _apply_slot(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bucket = self.slots[(parts[0], parts[1])]
         if data is None:
@@ -436,6 +446,11 @@ class MeshView:
     def task_json(self, ref: TaskRef) -> dict[str, Any]:
         """One entry of ``hypermesh tasks --json``."""
         attempts = [a.to_json() for _, a in sorted(self.attempts.get(ref, {}).items())]
+        reported = self.metrics.get(ref, {})
+        for a in attempts:
+            m = reported.get(a["attempt"])
+            a["metrics"] = dict(m.last) if m else {}
+            a["intermediate"] = {k: [list(p) for p in v] for k, v in m.history.items()} if m else {}
         claim = self.claims.get(ref)
         node = claim.node if claim else (attempts[-1]["node"] if attempts else None)
         return {
@@ -446,4 +461,23 @@ class MeshView:
             "state": self.task_state(ref),
             "node": node,
             "attempts": attempts,
+            "metrics": self.task_metrics(ref),
+            "pruned": self.pruned(ref),
         }
+
+    def task_metrics(self, ref: TaskRef) -> dict[str, float]:
+        """Last metric values of the attempt that decided the task (or the newest that
+        reported any): what ``best`` and the search rank it by."""
+        reported = self.metrics.get(ref, {})
+        result = self.results.get(ref)
+        if result is not None and result.attempt in reported:
+            return dict(reported[result.attempt].last)
+        for n in sorted(reported, reverse=True):
+            if reported[n].last:
+                return dict(reported[n].last)
+        return {}
+
+    def pruned(self, ref: TaskRef) -> bool:
+        result = self.results.get(ref)
+        attempt = self.attempts.get(ref, {}).get(result.attempt) if result else None
+        return attempt is not None and attempt.reason == "pruned"

@@ -22,6 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hypermesh.errors import NotFound, Problem, RecipeError
+from hypermesh.recipe_ml import (
+    EXPERIMENT_SAMPLINGS,
+    PRUNERS,
+    MLChecker,
+    Objective,
+    objective_from_json,
+)
 from hypermesh.recipe_yaml import (
     _NUMBER,
     _apply_override,
@@ -29,7 +36,6 @@ from hypermesh.recipe_yaml import (
     _describe,
     _Entry,
     _Node,
-    _NodeChecker,
     _read_document,
     _suggest,
 )
@@ -103,13 +109,15 @@ class Hardware:
 
     ``gpu`` is a GPU type (``k80``); ``gpus`` a count that may be fractional (sharing a GPU).
     When a recipe names a ``gpu`` type without ``gpus``, ``gpus`` is 1. ``memory`` is in
-    bytes, 0 meaning not stated.
+    bytes, 0 meaning not stated. ``gpu_memory`` (bytes, 0 = not stated) is GPU memory the
+    task needs on one GPU; with it (or a fractional ``gpus``) tasks may share a GPU.
     """
 
     gpu: str | None = None
     gpus: float = 0.0
     cpus: float = 1.0
     memory: int = 0
+    gpu_memory: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,9 @@ class Experiment:
     image: str | None = None
     seed: int | None = None
     data: Mapping[str, str] = field(default_factory=FrozenMap)
+    objective: Objective | None = None
+    sampling: str | None = None  # None or "random": drawn up front; "tpe": adaptive
+    pruning: str | None = None  # "median": stop trials worse than the median
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -215,6 +226,7 @@ class Recipe:
                 exp = dict(item)
                 exp["parameters"] = [Parameter(**p) for p in exp.get("parameters", ())]
                 exp["hardware"] = Hardware(**exp.get("hardware", {}))
+                exp["objective"] = objective_from_json(exp.get("objective"))
                 experiments.append(Experiment(**exp))
             return cls(experiments=tuple(experiments), **body)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -244,13 +256,13 @@ _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
-    "timeout", "framework", "image", "seed", "data",
+    "timeout", "framework", "image", "seed", "data", "objective", "sampling", "pruning",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
-_HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory")
+_HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
 
 
-class _Checker(_NodeChecker):
+class _Checker(MLChecker):
     """Validates a ``_Node`` tree into a ``Recipe`` while collecting every problem it finds.
 
     Methods return None for a value they rejected (after recording why) and never raise;
@@ -337,13 +349,18 @@ class _Checker(_NodeChecker):
         image = optional("image", self.string)
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
+        objective = optional("objective", self.objective)
+        sampling = self.choice(spec.get("sampling"), f"{path}.sampling", EXPERIMENT_SAMPLINGS)
+        pruning = self.choice(spec.get("pruning"), f"{path}.pruning", PRUNERS)
+        self.search_rules(entry.key_line, path, sampling, pruning, objective, samples,
+                          bool(parameters))
         if len(self.problems) > before or command is None:
             return None
         return Experiment(
             name=name, command=command, parameters=tuple(parameters), samples=samples,
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
-            seed=seed, data=data,
+            seed=seed, data=data, objective=objective, sampling=sampling, pruning=pruning,
         )
 
     # ------------------------------------------------------------------ data sets
@@ -519,18 +536,31 @@ class _Checker(_NodeChecker):
         if gpu is not None and gpus == 0:
             self.at(given["gpus"], f"{path}.gpus", f"asks for a {gpu!r} GPU but 0 gpus")
         cpus = self.number(given["cpus"], f"{path}.cpus", 0, False) if "cpus" in given else 1.0
-        memory = 0
-        if "memory" in given:
-            memory_node = given["memory"]
-            try:
-                memory = parse_size(memory_node.value)
-                if memory == 0:
-                    self.at(memory_node, f"{path}.memory", "must be more than 0 bytes")
-            except UnitError as exc:
-                self.at(memory_node, f"{path}.memory", str(exc))
+        memory = self.size(given.get("memory"), f"{path}.memory")
+        gpu_memory = self.size(given.get("gpu_memory"), f"{path}.gpu_memory")
         if gpus is None:
-            gpus = 1.0 if gpu is not None else 0.0
-        return Hardware(gpu=gpu, gpus=gpus, cpus=cpus or 1.0, memory=memory)
+            gpus = 1.0 if gpu is not None or gpu_memory else 0.0
+        if gpus > 1 and not float(gpus).is_integer():
+            self.at(given["gpus"], f"{path}.gpus", f"a share of one GPU is less than 1; more "
+                    f"than one GPU is a whole number, got {gpus:g}")
+        if gpu_memory and gpus != 1:
+            self.at(given["gpu_memory"], f"{path}.gpu_memory", "packs tasks on one GPU by "
+                    f"memory; it cannot be combined with gpus: {gpus:g}")
+        return Hardware(gpu=gpu, gpus=gpus, cpus=cpus or 1.0, memory=memory,
+                        gpu_memory=gpu_memory)
+
+    def size(self, node: _Node | None, path: str) -> int:
+        """A size in bytes such as ``16GiB``; 0 when absent or rejected."""
+        if node is None:
+            return 0
+        try:
+            value = parse_size(node.value)
+        except UnitError as exc:
+            self.at(node, path, str(exc))
+            return 0
+        if value == 0:
+            self.at(node, path, "must be more than 0 bytes")
+        return value
 
     # ------------------------------------------------------------------ dependencies
     def after(self, name: str, node: _Node | None, entry: _Entry | None, path: str) -> None:

@@ -81,13 +81,20 @@ async def set_workflow_state(etcd: Etcd, ks: Keyspace, wid: str, expected: str, 
 
 
 async def expand_experiment(
-    etcd: Etcd, ks: Keyspace, wid: str, experiment: str, params: Sequence[dict[str, Any]]
+    etcd: Etcd,
+    ks: Keyspace,
+    wid: str,
+    experiment: str,
+    params: Sequence[dict[str, Any]],
+    count: int | None = None,
 ) -> bool:
     """Write an experiment's tasks, then its ``expanded`` marker.
 
     Tasks are written in batches (etcd bounds a transaction's size); the marker
     is written last and only once. Task values are deterministic (seeded), so a
     new leader that repeats an interrupted expansion writes the same tasks.
+    ``count`` (default: ``len(params)``) is the experiment's total; an adaptive search
+    writes none up front and each later with ``add_task``.
     """
     marker = ks.expanded(wid, experiment)
     puts = [
@@ -99,7 +106,8 @@ async def expand_experiment(
         if not done.succeeded:
             return False
     done = await etcd.txn(
-        [etcd.absent(marker)], [etcd.op_put(marker, dumps({"count": len(params)}))]
+        [etcd.absent(marker)],
+        [etcd.op_put(marker, dumps({"count": len(params) if count is None else count}))],
     )
     return done.succeeded
 
@@ -225,3 +233,24 @@ async def finish_attempt(
     return await finish_attempts(
         etcd, ks, [Finish(ref, claim_revision, slot, attempt, final_state)]
     )
+
+
+async def add_task(etcd: Etcd, ks: Keyspace, ref: TaskRef, params: dict[str, Any]) -> bool:
+    """Write one task of an adaptive experiment; False if that index already exists
+    (another leader wrote it first)."""
+    done = await etcd.txn(
+        [etcd.absent(ks.task(ref))], [etcd.op_put(ks.task(ref), dumps({"params": params}))]
+    )
+    return done.succeeded
+
+
+async def put_metrics(
+    etcd: Etcd, ks: Keyspace, ref: TaskRef, attempt: int, claim_revision: int, value: bytes
+) -> int | None:
+    """Store an attempt's metrics, fenced like its result: only while the claim is the
+    one this attempt made. The revision written, or None if the claim is gone."""
+    done = await etcd.txn(
+        [etcd.mod_revision_is(ks.claim(ref), claim_revision)],
+        [etcd.op_put(ks.metrics(ref, attempt), value)],
+    )
+    return done.revision if done.succeeded else None
