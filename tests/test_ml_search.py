@@ -91,17 +91,17 @@ def test_tpe_finds_a_better_trial_than_random_on_the_same_budget(mesh: Mesh) -> 
     write_trial(mesh)
     best = {}
     for sampling in ("random", "tpe"):
-        recipe = mesh.write_recipe(SWEEP.format(samples=24, sampling=sampling), f"{sampling}.yaml")
+        recipe = mesh.write_recipe(SWEEP.format(samples=16, sampling=sampling), f"{sampling}.yaml")
         result = mesh.hm("submit", str(recipe), "--wait", timeout=240)
         assert result.returncode == 0, result.stderr
         wid = result.stdout.split()[-1]
         status = mesh.hm_json("status", wid)
-        assert status["experiments"]["sweep"]["succeeded"] == 24
+        assert status["experiments"]["sweep"]["succeeded"] == 16
         best[sampling] = best_loss(mesh, wid)
-    # With seed 5 random search's best of 24 is 7.54; TPE's lands below 4 whatever the
-    # order trials finish in (checked over many completion orders).
-    assert best["random"] > 7.0
-    assert best["tpe"] < best["random"] - 3, best
+    # With seed 5 random search's best of 16 is 30.0; TPE's lands near 2 or below whatever
+    # the order its trials finish in (checked offline over many completion orders).
+    assert best["random"] > 25, best
+    assert best["tpe"] < best["random"] / 3, best
 
 
 def test_tpe_sweep_survives_leader_failover(mesh: Mesh) -> None:
@@ -128,15 +128,15 @@ def test_tpe_sweep_survives_leader_failover(mesh: Mesh) -> None:
 def test_pruning_stops_bad_trials(mesh: Mesh) -> None:
     mesh.agent(slots=2)
     script: Path = mesh.root / "curve.py"
-    # Trial quality is its x: a trial reports x/(step+1) at steps 0..19; bad trials (large x)
-    # sit above the median of earlier ones and are stopped; every trial is reported.
+    # Trial quality is its x: a trial reports x/(step+1) at steps 0..9; bad trials (large x)
+    # sit above the median of earlier ones at the same step and are stopped.
     script.write_text(
         "import sys, time\n"
         "x = float(sys.argv[1])\n"
-        "for step in range(20):\n"
+        "for step in range(10):\n"
         "    print('HM_METRIC', '{\"loss\": %r, \"step\": %d}' % (x / (step + 1), step),"
         " flush=True)\n"
-        "    time.sleep(0.1 if x < 5 else 0.3)\n"
+        "    time.sleep(0.05 if x <= 5 else 0.3)\n"
     )
     recipe = mesh.write_recipe(
         """
@@ -159,5 +159,5 @@ experiments:
     for x in pruned:
         (attempt,) = tasks[x]["attempts"]
         assert (attempt["state"], attempt["reason"]) == ("succeeded", "pruned")
-        assert len(attempt["intermediate"]["loss"]) < 20
+        assert len(attempt["intermediate"]["loss"]) < 10
     assert tasks[6]["state"] == "succeeded"
