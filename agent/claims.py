@@ -13,6 +13,8 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from hypermesh.agent.gpus import GpuInfo, GpuPool
+
 from hypermesh.keyspace import TaskRef
 from hypermesh.model import TERMINAL, MeshView, NodeRecord
 from hypermesh.recipe import Hardware
@@ -26,6 +28,10 @@ class LocalLoad:
     running: set[TaskRef] = field(default_factory=set)
     slots_held: set[tuple[str, str, int]] = field(default_factory=set)
     gpus_used: float = 0.0
+    # This node's GPU bookings (a copy the planner books into) and devices, when it has
+    # GPUs: a task is claimed only if ``GpuPool.book`` places it, so none overcommits.
+    gpu_pool: GpuPool | None = None
+    gpu_devices: list[GpuInfo] = field(default_factory=list)
 
 
 def gpu_type_matches(wanted: str | None, have: str) -> bool:
@@ -95,7 +101,10 @@ def choose_claims(
                 ref = TaskRef(wf.id, name, index)
                 if ref in load.running:
                     continue
-                if exp.hardware.gpus > gpus_free:
+                if load.gpu_pool is not None:
+                    if load.gpu_pool.book(ref, exp.hardware, load.gpu_devices) is None:
+                        break
+                elif exp.hardware.gpus > gpus_free:
                     break
                 gpus_free -= exp.hardware.gpus
                 attempts = view.attempts.get(ref, {})

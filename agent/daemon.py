@@ -16,7 +16,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.gpus import GpuPool, gpu_source, visible_devices
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
@@ -62,6 +63,7 @@ class Running:
     plan: ClaimPlan
     claim_revision: int
     gpus: float
+    devices: list[int] = field(default_factory=list)  # GPU indices booked for it
     process: AttemptProcess | None = None
     task: asyncio.Task[None] | None = None
 
@@ -72,7 +74,12 @@ class Agent:
         self.ks = Keyspace(namespace)
         self.etcd = Etcd(endpoints)
         self.view = MeshView(self.ks)
-        self.machine = detect_machine(cfg.gpus, cfg.gpu_type)
+        self.gpu_source = gpu_source(cfg.gpus, cfg.gpu_type)
+        self.gpu_pool = GpuPool()
+        devices = self.gpu_source.devices()
+        self.machine = detect_machine(
+            len(devices), cfg.gpu_type or (devices[0].name if devices else "")
+        )
         self.work_dir = cfg.work_dir.resolve()
         self.lease = 0
         self.election_lease = 0
@@ -357,6 +364,9 @@ class Agent:
             if r.plan.slot is not None:
                 load.slots_held.add((ref.workflow, ref.experiment, r.plan.slot))
             load.gpus_used += r.gpus
+        if self.machine.gpus:
+            load.gpu_pool = self.gpu_pool.copy()
+            load.gpu_devices = self.gpu_source.devices()
         return load
 
     async def _claim(self) -> None:
@@ -364,7 +374,8 @@ class Agent:
             batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
             if self.view.revision < self.written_revision:
                 return  # the watch will bring our own writes and wake us
-            plans = choose_claims(self.view, self.record(), self._load(), batch, self.rng)
+            load = self._load()
+            plans = choose_claims(self.view, self.record(), load, batch, self.rng)
             if not plans:
                 return
             revision = await claim_tasks(
@@ -377,6 +388,8 @@ class Agent:
             for plan in plans:
                 exp = self.view.workflows[plan.ref.workflow].recipe.experiment(plan.ref.experiment)
                 r = Running(plan, revision, exp.hardware.gpus)
+                if load.gpu_pool is not None:
+                    r.devices = self.gpu_pool.adopt(load.gpu_pool, plan.ref)
                 self.running[plan.ref] = r
                 if plan.lost is not None:
                     self.decide(f"{plan.ref} attempt {plan.lost.attempt} on {plan.lost.node} lost")
@@ -440,6 +453,9 @@ class Agent:
             }
             commands = [render(c, values) for c in exp.command]
             env = self._environment(ref, n, params)
+            # Exactly the GPUs booked for it (none: every GPU hidden), in NVML's order.
+            env.update(CUDA_VISIBLE_DEVICES=visible_devices(r.devices),
+                       CUDA_DEVICE_ORDER="PCI_BUS_ID")
             try:
                 env.update(await self._data_environment(ref, dict(exp.data)))
             except HypermeshError as exc:
@@ -479,6 +495,7 @@ class Agent:
             await self._finish(r, 0, started, Outcome("failed", None, "exit", time.time()))
         finally:
             self.running.pop(ref, None)
+            self.gpu_pool.release(ref)
             self._wake.set()
 
     async def _finish(self, r: Running, retries: int, started: float, outcome: Outcome) -> None:
