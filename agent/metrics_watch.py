@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hypermesh import search
-from hypermesh.metrics import AttemptMetrics, report_in_line
+from hypermesh.metrics import LINE_PREFIX, AttemptMetrics, report_in_line
 from hypermesh.model import dumps
 from hypermesh.recipe import Experiment
 from hypermesh.txns import put_metrics
@@ -37,10 +37,12 @@ MAX_READ = 4 << 20  # bytes read per poll and file; the rest waits for the next 
 class _Tail:
     """New complete lines of a growing file, from where the last read stopped."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, marker: bytes = b"") -> None:
         self.path = path
+        self.marker = marker  # only lines holding it matter (b"": every line)
         self.offset = 0
         self.partial = b""
+        self.more = False  # the last read stopped at MAX_READ: more is waiting
 
     def lines(self) -> list[str]:
         try:
@@ -49,12 +51,19 @@ class _Tail:
                 data = f.read(MAX_READ)
         except FileNotFoundError:
             return []
+        self.more = len(data) == MAX_READ
         self.offset += len(data)
         data = self.partial + data
         complete, _, self.partial = data.rpartition(b"\n")
-        if not complete:
+        if len(self.partial) > MAX_READ:
+            self.partial = b""  # a line longer than MAX_READ is no report: drop it
+        if not complete or self.marker not in complete:
             return []
-        return complete.decode("utf-8", "replace").split("\n")
+        return [
+            line.decode("utf-8", "replace")
+            for line in complete.split(b"\n")
+            if self.marker in line
+        ]
 
 
 class MetricsWatch:
@@ -68,7 +77,7 @@ class MetricsWatch:
         prune: Callable[[AttemptMetrics], Awaitable[bool]] | None = None,
     ) -> None:
         self.metrics = AttemptMetrics()
-        self._log = _Tail(log_path)
+        self._log = _Tail(log_path, LINE_PREFIX.strip().encode())
         self._file = _Tail(metrics_path)
         self._store = store
         self._prune = prune
@@ -120,6 +129,8 @@ class MetricsWatch:
     async def finish(self) -> None:
         """The last read and store, after the attempt's processes ended."""
         self.read()
+        while self._log.more or self._file.more:
+            self.read()
         await self.flush(force=True)
 
 
