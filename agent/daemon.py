@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.claims import LocalLoad, choose_claims
+from hypermesh.agent.containers import Containers, image_for
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gpus import GpuPool, gpu_source, visible_devices
@@ -94,6 +95,7 @@ class Agent:
         # Agents gossip with lan timings in every preset: real gRPC round trips
         # between Python processes on a loaded 2-core machine need them.
         self.gossip = Gossip(self, GossipConfig.lan())
+        self.containers = Containers()
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -469,6 +471,13 @@ class Agent:
                 await self._finish(r, exp.retries, started, outcome)
                 return
             log_path = self.attempt_dir(ref, n) / "output.log"
+            image = image_for(exp.framework, exp.image)
+            if image is not None:
+                commands, runtime = await self.containers.wrap(
+                    f"{ref.id}-{n}", image, commands, env, self.base_env, r.devices,
+                    Path(wf.workdir or self.work_dir), log_path,
+                )
+                self.decide(f"{ref} attempt {n}: image {image} with {runtime or 'no runtime'}")
             process = r.process = AttemptProcess(
                 commands,
                 env=env,
