@@ -13,7 +13,7 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
-from hypermesh.agent.gpus import GpuInfo, GpuPool
+from hypermesh.agent.gpu_pool import GpuInfo, GpuPool
 
 from hypermesh.keyspace import TaskRef
 from hypermesh.model import TERMINAL, MeshView, NodeRecord

@@ -26,7 +26,7 @@ from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.containers import Containers, image_for
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
-from hypermesh.agent.gpus import GpuPool, gpu_source, visible_devices
+from hypermesh.agent.gpu_pool import GpuPool, gpu_source, visible_devices
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypermesh.agent.gpus import ENV_FAKE_NVML, CountOverride, FakeNvml, GpuInfo, GpuPool
+from hypermesh.agent.gpu_pool import ENV_FAKE_NVML, CountOverride, FakeNvml, GpuInfo, GpuPool
 
 from hypermesh.recipe import Hardware
 from tests.conftest import Mesh
