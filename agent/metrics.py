@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from hypermesh.model import Attempt
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
@@ -73,9 +75,9 @@ class Snapshot:
 
 def snapshot(agent: Agent) -> Snapshot:
     """This agent's state now. Call on the agent's event loop."""
-    view, me = agent.view, agent.cfg.name
+    view = agent.view
     snap = Snapshot(
-        node=me,
+        node=agent.cfg.name,
         state=agent.state,
         serving=agent.state == "alive" and not agent.lease_is_lost,
         leader=agent.is_leader,
@@ -89,20 +91,27 @@ def snapshot(agent: Agent) -> Snapshot:
         snap.tasks_by_state[view.task_state(ref)] += 1
     for wid in view.workflows:
         snap.workflows_by_state[view.workflow_state(wid)] += 1
-    for attempts in view.attempts.values():
+    count_attempts(snap, view.attempts.values())
+    members = agent.gossip.members()
+    snap.gossip_members.update(m.state for m in members.members)
+    snap.gossip_local_health = members.local_health
+    return snap
+
+
+def count_attempts(snap: Snapshot, tasks: Iterable[Mapping[int, Attempt]]) -> None:
+    """Fill ``snap``'s attempt figures from every task's attempts (by number): this
+    node's attempts by state and reason, the tasks it took over after a lost or
+    preempted attempt, and the mesh's lost attempts by reason."""
+    for attempts in tasks:
         for n, a in attempts.items():
             if a.reason in LOST_REASONS:
                 snap.mesh_lost_attempts[a.reason] += 1
-            if a.node != me:
+            if a.node != snap.node:
                 continue
             snap.node_attempts[(a.state, a.reason or "")] += 1
             before = attempts.get(n - 1)
             if before is not None and before.reason in LOST_REASONS:
                 snap.node_recoveries += 1
-    members = agent.gossip.members()
-    snap.gossip_members.update(m.state for m in members.members)
-    snap.gossip_local_health = members.local_health
-    return snap
 
 
 def read_mount_stats(mountpoints: dict[str, Path]) -> dict[str, dict[str, Any]]:

@@ -77,8 +77,8 @@ async def live_nodes(mesh: Mesh) -> dict[str, NodeRecord]:
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     click.echo(
-        f"{'NODE':<16}{'CPU%':>6}{'LOAD':>6}{'MEM':>15}{'DISK':>15}"
-        f"{'NET RX/s':>10}{'NET TX/s':>10}  GPUS (util% mem temp)"
+        f"{'NODE':<16}{'CPU%':>6}{'LOAD':>6}{'MEM':>21}{'DISK':>21}"
+        f"{'NET RX/s':>11}{'NET TX/s':>11}  GPUS (util% mem temp)"
     )
     for r in rows:
         t = r["telemetry"]
@@ -94,21 +94,21 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         ) or ("-" if t["nvml"] else "no NVML")
         click.echo(
             f"{r['name']:<16}{s['cpu_percent']:>6.1f}{s['load1']:>6.2f}"
-            f"{_size(s['memory_used_bytes']) + '/' + _size(s['memory_total_bytes']):>15}"
-            f"{_size(s['disk_used_bytes']) + '/' + _size(s['disk_total_bytes']):>15}"
-            f"{_size(s['net_recv_bytes_per_s']):>10}{_size(s['net_sent_bytes_per_s']):>10}"
+            f"{_size(s['memory_used_bytes']) + '/' + _size(s['memory_total_bytes']):>21}"
+            f"{_size(s['disk_used_bytes']) + '/' + _size(s['disk_total_bytes']):>21}"
+            f"{_size(s['net_recv_bytes_per_s']):>11}{_size(s['net_sent_bytes_per_s']):>11}"
             f"  {gpus}"
         )
     tasks = [(r["name"], u) for r in rows if r["telemetry"] for u in r["telemetry"]["tasks"]]
     if tasks:
         click.echo()
-        click.echo(f"{'TASK':<40}{'ATT':>4} {'NODE':<16}{'PROCS':>6}{'CPU%':>8}{'RSS':>9}"
-                   f"{'GPU MEM':>9}")
+        click.echo(f"{'TASK':<40}{'ATT':>4} {'NODE':<16}{'PROCS':>6}{'CPU%':>8}{'RSS':>11}"
+                   f"{'GPU MEM':>11}")
         for node, u in tasks:
             click.echo(
                 f"{u['task_id']:<40}{u['attempt']:>4} {node:<16}{u['processes']:>6}"
-                f"{u['cpu_percent']:>8.1f}{_size(u['rss_bytes']):>9}"
-                f"{_size(u['gpu_memory_bytes']):>9}"
+                f"{u['cpu_percent']:>8.1f}{_size(u['rss_bytes']):>11}"
+                f"{_size(u['gpu_memory_bytes']):>11}"
             )
 
 
