@@ -198,11 +198,46 @@ class Sampler:
 
 
 def _tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and its descendants. Walks down through ``/proc/PID/task/TID/children``
+    (cost: the tree's size) rather than psutil's ``children()``, which reads every
+    process of the machine for each tree; falls back to it where the kernel lacks
+    that file."""
     try:
         root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+    if not _HAS_CHILDREN_FILES:
+        try:
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return [root]
+    tree, todo = [root], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            try:
+                tree.append(psutil.Process(child))
+            except psutil.Error:
+                continue  # ended while we looked
+            todo.append(child)
+    return tree
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+_HAS_CHILDREN_FILES = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
 
 
 class Telemetry:
