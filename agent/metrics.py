@@ -37,6 +37,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from hypermesh.errors import HypermeshError
 from hypermesh.model import Attempt
 
 if TYPE_CHECKING:
@@ -323,9 +324,12 @@ class MetricsServer:
     async def start(self, listen: str) -> str:
         """Bind ``listen`` (HOST:PORT, port 0 = a free one); returns the bound HOST:PORT."""
         host, _, port = listen.rpartition(":")
-        self._server = await asyncio.start_server(
-            self._serve, host.strip("[]"), int(port), limit=MAX_REQUEST_BYTES
-        )
+        try:
+            self._server = await asyncio.start_server(
+                self._serve, host.strip("[]"), int(port), limit=MAX_REQUEST_BYTES
+            )
+        except OSError as exc:
+            raise HypermeshError(f"--metrics-listen {listen}: cannot listen: {exc}") from exc
         bound = self._server.sockets[0].getsockname()[1]
         self.address = f"{host}:{bound}"
         return self.address

@@ -265,7 +265,11 @@ class Telemetry:
     async def run(self, roots: Callable[[], list[TaskRoot]]) -> None:
         while True:
             await asyncio.sleep(self.period)
-            node, tasks = await asyncio.to_thread(self.sampler.sample, roots())
+            try:
+                node, tasks = await asyncio.to_thread(self.sampler.sample, roots())
+            except Exception:  # a failed sample must not stop the agent; try again later
+                log.exception("telemetry sample failed")
+                continue
             self.history.add(node)
             self.tasks = tasks
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -174,6 +175,20 @@ def test_bad_metrics_address_is_a_usage_error(mesh: Mesh) -> None:
     result = mesh.hm("agent", "start", "--name", "x", "--metrics-listen", "nowhere")
     assert result.returncode == 2
     assert "--metrics-listen 'nowhere': expected HOST:PORT" in result.stderr
+
+
+def test_metrics_port_in_use_fails_before_registering(mesh: Mesh) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = mesh.hm(
+            "agent", "start", "--name", "x", "--listen", "127.0.0.1:0", "--work-dir",
+            str(mesh.root / "x"), "--metrics-listen", f"127.0.0.1:{port}", timeout=30,
+        )
+    assert result.returncode == 1
+    assert f"--metrics-listen 127.0.0.1:{port}: cannot listen" in result.stderr
+    assert mesh.hm_json("nodes") == []  # it never registered
 
 
 def test_recovery_is_counted_by_the_node_that_took_over(mesh: Mesh) -> None:
