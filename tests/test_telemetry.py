@@ -188,6 +188,10 @@ experiments:
         (node,) = mesh.hm_json("nodes")
         assert node["telemetry"]["memory_total_bytes"] > 0
         assert node["metrics"] and node["metrics"].startswith("127.0.0.1:")
+        (with_history,) = mesh.hm_json("top", "--node", "node1", "--history", "3")
+        t = with_history["telemetry"]
+        times = [h["time"] for h in t["history"]] + [t["latest"]["time"]]
+        assert 2 <= len(times) <= 4 and times == sorted(times)
         text = mesh.hm("top", check=True).stdout
         assert task_id in text and "node1" in text
     finally:
