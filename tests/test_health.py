@@ -133,3 +133,11 @@ def test_watch_sees_a_drain(channel: grpc.Channel) -> None:
         assert watcher.next() == NOT_SERVING
     finally:
         watcher.close()
+
+
+def test_watch_of_an_unknown_service_says_so(channel: grpc.Channel) -> None:
+    watcher = Watcher(channel, "no.such.Service")
+    try:
+        assert watcher.next() == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    finally:
+        watcher.close()

@@ -206,3 +206,9 @@ def test_top_names_an_unknown_node(mesh: Mesh) -> None:
     result = mesh.hm("top", "--node", "nope")
     assert result.returncode == 1
     assert "no live node 'nope'" in result.stderr
+
+
+def test_telemetry_period_out_of_range_is_a_usage_error(mesh: Mesh) -> None:
+    result = mesh.hm("agent", "start", "--name", "x", "--telemetry-period", "0.01")
+    assert result.returncode == 2
+    assert "--telemetry-period 0.01 is out of range: allowed 0.2..3600" in result.stderr
