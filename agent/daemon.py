@@ -147,8 +147,8 @@ class Agent:
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
+        await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
-        await self.health.start()
         if self.cfg.metrics_listen is not None:
             self.metrics = MetricsServer(self)
             self.metrics_address = await self.metrics.start(self.cfg.metrics_listen)
