@@ -7,12 +7,12 @@ families (pure: no I/O, table-testable). Figures derived from etcd's records are
 exposed as counters: they only grow while the records exist.
 
 Mesh-wide families (``hypermesh_mesh_*``) are the same on every agent (each mirrors
-the whole namespace): aggregate them with ``max``, not ``sum``. Tasks and workflows by
-state are counted as ``hypermesh status`` counts them (tasks of experiments not yet
-expanded are pending or cancelled), from per-experiment counts the mirror keeps; the
-attempt figures scan every attempt in the mirror (about 60 ms per 100,000 attempts on
-the test machine, once per scrape). ``hypermesh_node_*``
-families are this node's own.
+the whole namespace): aggregate them with ``max``, not ``sum``. ``hypermesh_node_*``
+families are this node's own. Tasks and workflows by state are counted as
+``hypermesh status`` counts them (tasks of experiments not yet expanded are pending or
+cancelled), from per-experiment counts the mirror keeps; the attempt figures scan every
+attempt in the mirror (about 60 ms per 100,000 attempts on the test machine, once per
+scrape).
 
 The HTTP side is a small asyncio server on the agent's event loop (GET or HEAD of
 ``/metrics``, HTTP/1.0, one response per connection): an idle agent pays nothing for
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hypermesh.agent.health import serving
 from hypermesh.agent.usage import NodeSample, TaskUsage
 from hypermesh.chunkfs.mount import STATS_FILE
 from prometheus_client.core import (
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 LOST_REASONS = ("node-lost", "preempted")
 READ_TIMEOUT_S = 5.0
+MOUNT_STATS_TIMEOUT_S = 3.0
 MAX_REQUEST_BYTES = 16 * 1024
 
 
@@ -84,7 +86,7 @@ def snapshot(agent: Agent) -> Snapshot:
     snap = Snapshot(
         node=agent.cfg.name,
         state=agent.state,
-        serving=agent.state == "alive" and not agent.lease_is_lost,
+        serving=serving(agent.state, agent.lease_is_lost),
         leader=agent.is_leader,
         slots=agent.cfg.slots,
         running=len(agent.running),
@@ -342,7 +344,14 @@ class MetricsServer:
 
     async def body(self) -> bytes:
         snap = snapshot(self.agent)
-        snap.mounts = await asyncio.to_thread(read_mount_stats, self.agent.mounts.mounted())
+        mounted = self.agent.mounts.mounted()
+        if mounted:
+            try:  # a hung mount must not hang the scrape; its figures are left out
+                snap.mounts = await asyncio.wait_for(
+                    asyncio.to_thread(read_mount_stats, mounted), MOUNT_STATS_TIMEOUT_S
+                )
+            except TimeoutError:
+                log.warning("mount statistics did not answer in %gs", MOUNT_STATS_TIMEOUT_S)
         return exposition(snap)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
