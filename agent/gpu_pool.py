@@ -11,22 +11,22 @@ Memory used by other processes is estimated as NVML's figure while none of our t
 the GPU, or more when NVML later shows more than our reservations explain.
 
 ``GpuPool`` is pure (bookings in, placements out); the device list comes from a
-``GpuSource``: NVML on a real machine, ``FakeNvml`` (a JSON file) in tests, and the
-``--gpus N`` override, which keeps NVML's memory figures for the GPUs NVML knows.
+``DeviceSource``: NVML on a real machine (the agent's NVML layer, ``agent/gpus.py``),
+``FakeNvml`` (a JSON file) in tests, and the ``--gpus N`` override, which keeps NVML's
+memory figures for the GPUs NVML knows.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from hypermesh.recipe import Hardware
+from hypermesh.agent.gpus import GpuSource, open_gpus
 
-log = logging.getLogger(__name__)
+from hypermesh.recipe import Hardware
 
 ENV_FAKE_NVML = "HYPERMESH_FAKE_NVML"
 EPSILON = 1e-9
@@ -46,41 +46,22 @@ class GpuInfo:
         return max(0, self.memory_total - self.memory_used)
 
 
-class GpuSource(Protocol):
+class DeviceSource(Protocol):
     def devices(self) -> list[GpuInfo]: ...
 
 
-class NvmlSource:
-    """GPUs from NVML (``nvidia-ml-py``); no GPUs where NVML or its driver is missing."""
+class NvmlDevices:
+    """This node's GPUs from NVML, through the agent's NVML layer (``agent/gpus.py``);
+    none where NVML or its driver is missing."""
 
-    def __init__(self) -> None:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        except Exception as exc:  # no driver: a machine without GPUs
-            log.debug("NVML unavailable: %s", exc)
-            self._nvml = None
+    def __init__(self, source: GpuSource | None = None) -> None:
+        self.source = source if source is not None else open_gpus()
 
     def devices(self) -> list[GpuInfo]:
-        if self._nvml is None:
-            return []
-        nvml = self._nvml
-        found = []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(handle)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            found.append(
-                GpuInfo(
-                    i,
-                    name.decode() if isinstance(name, bytes) else str(name),
-                    int(memory.total),
-                    int(memory.used),
-                )
-            )
-        return found
+        return [
+            GpuInfo(g.index, g.name, g.memory_total or 0, g.memory_used or 0)
+            for g in self.source.sample()
+        ]
 
 
 class FakeNvml:
@@ -106,7 +87,7 @@ class FakeNvml:
 class CountOverride:
     """``--gpus N``: exactly N GPUs; memory figures from ``inner`` where it knows the GPU."""
 
-    def __init__(self, inner: GpuSource, count: int, name: str = "") -> None:
+    def __init__(self, inner: DeviceSource, count: int, name: str = "") -> None:
         self.inner = inner
         self.count = count
         self.name = name
@@ -116,11 +97,11 @@ class CountOverride:
         return [known.get(i, GpuInfo(i, self.name)) for i in range(self.count)]
 
 
-def gpu_source(count: int | None, name: str | None) -> GpuSource:
-    """The node's GPU source: the fake named by ``$HYPERMESH_FAKE_NVML`` when set (tests),
+def gpu_source(count: int | None, name: str | None) -> DeviceSource:
+    """The node's GPUs: the fake named by ``$HYPERMESH_FAKE_NVML`` when set (tests),
     else NVML; with the ``--gpus`` count override on top when given."""
     fake = os.environ.get(ENV_FAKE_NVML)
-    inner: GpuSource = FakeNvml(Path(fake)) if fake else NvmlSource()
+    inner: DeviceSource = FakeNvml(Path(fake)) if fake else NvmlDevices()
     return inner if count is None else CountOverride(inner, count, name or "")
 
 

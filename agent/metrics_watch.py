@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hypermesh import search
-from hypermesh.metrics import LINE_PREFIX, AttemptMetrics, report_in_line
 from hypermesh.model import dumps
 from hypermesh.recipe import Experiment
+from hypermesh.task_metrics import LINE_PREFIX, AttemptMetrics, report_in_line
 from hypermesh.txns import put_metrics
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``attempt/<wid>/<exp>/<index>/<n>``: attempt record; by the claiming node, fenced.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
 - ``metrics/<wid>/<exp>/<index>/<n>``: metrics attempt n reported (bounded, see
-  ``hypermesh.metrics``); by the claiming node, fenced like the attempt record.
+  ``hypermesh.task_metrics``); by the claiming node, fenced like the attempt record.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from hypermesh.errors import HypermeshError
 from hypermesh.keyspace import Keyspace, TaskRef
-from hypermesh.metrics import AttemptMetrics
 from hypermesh.recipe import Experiment, Recipe
 from hypermesh.sampling import planned_count
+from hypermesh.task_metrics import AttemptMetrics
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class NodeRecord:
     state: str = "alive"
     started_at: float = 0.0
     lease: int = 0
+    metrics: str = ""
+    """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -1,7 +1,7 @@
 """The machine-learning fields of an experiment: ``objective``, ``sampling`` and ``pruning``.
 
 ``objective: {metric: val_loss, goal: minimize}`` names the metric (reported by the tasks,
-see ``hypermesh.metrics``) that ranks trials; ``sampling: tpe`` lets Optuna's TPE sampler
+see ``hypermesh.task_metrics``) that ranks trials; ``sampling: tpe`` lets Optuna's TPE sampler
 choose each new trial's parameters from the results so far (``random``, the default, draws
 them all up front); ``pruning: median`` stops a trial whose intermediate value is worse than
 the median of earlier trials at the same step. ``MLChecker`` validates them with a field

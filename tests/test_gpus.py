@@ -9,7 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
-from hypermesh.agent.gpu_pool import ENV_FAKE_NVML, CountOverride, FakeNvml, GpuInfo, GpuPool
+from hypermesh.agent.gpu_pool import (
+    ENV_FAKE_NVML,
+    CountOverride,
+    FakeNvml,
+    GpuInfo,
+    GpuPool,
+    NvmlDevices,
+)
+from hypermesh.agent.gpus import GpuSample
 
 from hypermesh.recipe import Hardware
 from tests.conftest import Mesh
@@ -61,6 +69,23 @@ def test_planner_copy_does_not_touch_the_pool_until_adopted() -> None:
     assert pool.bookings == {}
     assert pool.adopt(scratch, "t") == [0]
     assert pool.place(Hardware(gpus=0.75), devices) is None
+
+
+class Samples:
+    """The agent's NVML layer as a test double: fixed samples."""
+
+    available = True
+
+    def sample(self) -> list[GpuSample]:
+        return [GpuSample(0, "H100", 50.0, 3 * GiB, 80 * GiB, 40.0),
+                GpuSample(1, "H100", None, None, None, None)]
+
+
+def test_nvml_devices_come_from_the_agents_nvml_layer() -> None:
+    assert NvmlDevices(Samples()).devices() == [  # type: ignore[arg-type]
+        GpuInfo(0, "H100", 80 * GiB, 3 * GiB),
+        GpuInfo(1, "H100"),  # memory not reported: unknown (0)
+    ]
 
 
 def test_fake_nvml_and_count_override(tmp_path: Path) -> None:

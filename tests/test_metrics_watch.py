@@ -10,7 +10,7 @@ from pathlib import Path
 from hypermesh.agent import metrics_watch
 from hypermesh.agent.metrics_watch import MetricsWatch
 
-from hypermesh.metrics import AttemptMetrics
+from hypermesh.task_metrics import AttemptMetrics
 
 
 def test_reads_log_and_file_reports_and_stores_the_final_record(tmp_path: Path) -> None:

@@ -10,12 +10,18 @@ from hypermesh.agent.leader import Suggest, plan
 
 from hypermesh.errors import RecipeError
 from hypermesh.keyspace import Keyspace, TaskRef
-from hypermesh.metrics import MAX_HISTORY, MAX_METRICS, AttemptMetrics, MetricError, parse_report
-from hypermesh.metrics import report_in_line as line
 from hypermesh.model import MeshView, WorkflowRecord, dumps
 from hypermesh.recipe import parse_recipe
 from hypermesh.recipe_ml import Objective
 from hypermesh.search import Trial, next_indices, ranked, should_prune, suggest, trials_of
+from hypermesh.task_metrics import (
+    MAX_HISTORY,
+    MAX_METRICS,
+    AttemptMetrics,
+    MetricError,
+    parse_report,
+)
+from hypermesh.task_metrics import report_in_line as line
 
 TPE = """
 experiments:
