@@ -35,7 +35,7 @@ from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import COUNTED_REASONS, Attempt, MeshView, NodeRecord, dumps
-from hypermesh.sampling import expand, experiment_seed
+from hypermesh.sampling import expand, expand_more, experiment_seed
 from hypermesh.templating import param_env, render
 from hypermesh.txns import (
     ClaimPlan,
@@ -310,21 +310,38 @@ class Agent:
 
     async def _lead(self) -> None:
         for action in leader.plan(self.view):
-            if isinstance(action, leader.Expand):
+            if isinstance(action, leader.Expand | leader.Extend):
                 wf = self.view.workflows[action.workflow]
                 exp = wf.recipe.experiment(action.experiment)
-                params = expand(exp, experiment_seed(wf.seed, exp))
-                if await expand_experiment(self.etcd, self.ks, wf.id, exp.name, params):
-                    self.decide(f"expanded {wf.id}/{exp.name} into {len(params)} tasks")
+                seed = experiment_seed(wf.seed, exp)
+                start = action.start if isinstance(action, leader.Extend) else 0
+                params = (
+                    expand_more(exp, seed, action.start, action.count)
+                    if isinstance(action, leader.Extend)
+                    else expand(exp, seed)
+                )
+                if await expand_experiment(
+                    self.etcd, self.ks, wf.id, exp.name, params, action.state_revision, start
+                ):
+                    what = "extended" if start else "expanded"
+                    self.decide(f"{what} {wf.id}/{exp.name} by {len(params)} tasks")
             else:
                 if await set_workflow_state(
-                    self.etcd, self.ks, action.workflow, action.expected, action.state
+                    self.etcd,
+                    self.ks,
+                    action.workflow,
+                    action.expected,
+                    action.state,
+                    action.state_revision,
                 ):
                     self.decide(f"workflow {action.workflow} is {action.state}")
 
     def _stop_cancelled(self) -> None:
         for ref, r in self.running.items():
-            if r.process is not None and self.view.workflow_state(ref.workflow) == "cancelled":
+            if r.process is not None and (
+                self.view.workflow_state(ref.workflow) == "cancelled"
+                or self.view.experiment_cancelled(ref.workflow, ref.experiment)
+            ):
                 r.process.stop("cancelled")
 
     def _load(self) -> LocalLoad:

@@ -327,8 +327,9 @@ async def submit(
     sys.exit(0 if state == "succeeded" else 1)
 
 
-async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
-    """Show a workflow's progress on stderr until it ends; return its final state."""
+async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> str:
+    """Show a workflow's progress until it ends; return its final state. On stderr
+    (bars or lines), or with ``as_json`` as one status object per change on stdout."""
     from hypermesh.progress import ProgressDisplay
 
     view = MeshView(ks)
@@ -339,10 +340,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
 
     # Only the keys that progress depends on: not attempts, slots or other workflows.
     prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
-        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result")
+        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result", "expctl")
     ]
     mirrors = [asyncio.create_task(etcd.mirror(p, view.apply, on_batch)) for p in prefixes]
-    display = ProgressDisplay(wid)
+    display = None if as_json else ProgressDisplay(wid)
+    last: dict[str, Any] | None = None
     try:
         while True:
             await changed.wait()
@@ -350,15 +352,21 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
             if wid not in view.workflows:
                 continue
             summary = view.workflow_summary(wid)
-            display.update(summary)
+            if display is not None:
+                display.update(summary)
+            elif summary != last:
+                click.echo(json.dumps(summary, separators=(",", ":")))
+                last = summary
             if summary["state"] in TERMINAL:
-                display.close(summary)
+                if display is not None:
+                    display.close(summary)
                 return str(summary["state"])
             await asyncio.sleep(0.1)
     finally:
         for mirror in mirrors:
             mirror.cancel()
-        display.close(None)
+        if display is not None:
+            display.close(None)
 
 
 # ---------------------------------------------------------------------- reading
@@ -390,10 +398,23 @@ def _print_json(data: Any) -> None:
 @main.command()
 @click.argument("workflow", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Live progress until the workflow ends (with --json: one object per change); "
+    "exit 0 if it succeeded, else 1.",
+)
 @mesh_options
 @run_async
-async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
+async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -> None:
     """Show a workflow's state per experiment (all workflows if none is named)."""
+    if watch:
+        if not workflow:
+            raise UsageError("status --watch needs a WORKFLOW")
+        async with mesh.connect() as etcd:
+            await load_view(etcd, mesh.ks, workflow)  # NotFound for a wrong id
+            state = await _follow(etcd, mesh.ks, workflow, as_json)
+        sys.exit(0 if state == "succeeded" else 1)
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
     ids = (
@@ -605,18 +626,32 @@ async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool) -> None:
 
 @main.command()
 @click.argument("workflow")
+@click.option(
+    "--experiment", default=None, help="Cancel only this experiment (and what comes after it)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
-async def cancel(mesh: Mesh, workflow: str) -> None:
+async def cancel(mesh: Mesh, workflow: str, experiment: str | None, as_json: bool) -> None:
     """Cancel a workflow: nothing new starts and running tasks are stopped."""
+    from hypermesh.live import cancel_experiment
     from hypermesh.txns import cancel_workflow
 
     async with mesh.connect() as etcd:
-        state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
-    if changed:
-        _err(f"{workflow} cancelled; running tasks are being stopped")
+        if experiment is None:
+            state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
+        else:
+            changed = await cancel_experiment(etcd, mesh.ks, workflow, experiment)
+            state = "cancelled"
+    what = f"{workflow} experiment {experiment}" if experiment else workflow
+    if as_json:
+        _print_json(
+            {"workflow": workflow, "experiment": experiment, "state": state, "changed": changed}
+        )
+    elif changed:
+        _err(f"{what} cancelled; running tasks are being stopped")
     else:
-        _err(f"{workflow} had already ended: {state}")
+        _err(f"{what} had already ended: {state}")
 
 
 main.add_command(data)
@@ -633,6 +668,11 @@ def mount(args: tuple[str, ...]) -> None:
     from hypermesh.chunkfs.mount import mount as mount_command
 
     mount_command.main(args=list(args), prog_name="hypermesh mount")
+
+from hypermesh.cli_ops import OPS_COMMANDS  # noqa: E402  (they use the helpers above)
+
+for _command in OPS_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()
