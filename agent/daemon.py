@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 from hypermesh.agent import leader, spot
+from hypermesh.agent.attempt_logs import LogShipper
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
@@ -84,6 +85,7 @@ class Agent:
         # between Python processes on a loaded 2-core machine need them.
         self.gossip = Gossip(self, GossipConfig.lan())
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
+        self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -184,6 +186,7 @@ class Agent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
             await self._server.stop(grace=1.0)
+            await self.logs.flush(STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
@@ -444,19 +447,27 @@ class Agent:
                 log_path.write_text(f"hypermesh: cannot mount the task's data: {exc}\n")
                 outcome = Outcome("failed", None, "data", time.time())
                 await self._finish(r, exp.retries, started, outcome)
+                self.logs.after_end(ref, n, log_path)
                 return
+            log_path = self.attempt_dir(ref, n) / "output.log"
             r.process = AttemptProcess(
                 commands,
                 env=env,
                 cwd=Path(wf.workdir or self.work_dir),
-                log_path=self.attempt_dir(ref, n) / "output.log",
+                log_path=log_path,
                 timeout=exp.timeout,
                 grace=self.cfg.kill_grace,
             )
             if self._stop.is_set():
                 r.process.stop("preempted", grace=self.drain_grace)
-            outcome = await r.process.run()
+            copier = self.logs.while_running(ref, n, log_path)
+            try:
+                outcome = await r.process.run()
+            finally:
+                if copier is not None:
+                    copier.cancel()
             await self._finish(r, exp.retries, started, outcome)
+            self.logs.after_end(ref, n, log_path)
         except Exception:
             log.exception("%s: attempt %s/%d crashed", self.cfg.name, ref, n)
             await self._finish(r, 0, started, Outcome("failed", None, "exit", time.time()))

@@ -582,46 +582,28 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
 @click.argument("task_id")
 @click.option("--attempt", type=int, default=0, help="Attempt number [default: the latest].")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
+@click.option(
+    "--store",
+    default=None,
+    metavar="URL",
+    help="Object store holding copies of logs, read when the node is gone [env HYPERMESH_STORE].",
+)
 @mesh_options
 @run_async
-async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool) -> None:
-    """Print a task attempt's output (stdout and stderr), fetched from its node."""
-    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool, store: str | None) -> None:
+    """Print a task attempt's output (stdout and stderr), from its node or the stored copy."""
+    from hypermesh.agent.attempt_logs import stream_log
 
     try:
         ref = TaskRef.parse(task_id)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    ks = mesh.ks
     async with mesh.connect() as etcd:
-        kvs, _ = await etcd.get_prefix(ks.kind_prefix("attempt") + ref.path + "/")
-        view = MeshView(ks)
-        for kv in kvs:
-            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
-        attempts = view.attempts.get(ref, {})
-        if not attempts:
-            raise NotFound(f"task {ref} has not run yet (no attempts)")
-        n = attempt or max(attempts)
-        if n not in attempts:
-            raise NotFound(f"task {ref} has no attempt {n} (attempts: {sorted(attempts)})")
-        node = attempts[n].node
-        found = await etcd.get(ks.node(node))
-    if found is None:
-        raise NotFound(
-            f"node {node}, which ran {ref} attempt {n}, is gone; its log was on its disk"
-        )
-    address = json.loads(found[0])["address"]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = agent_pb2_grpc.AgentStub(channel)
-        request = agent_pb2.ReadLogsRequest(task_id=ref.id, attempt=n, follow=follow)
-        try:
-            async for chunk in stub.ReadLogs(request):
-                sys.stdout.buffer.write(chunk.data)
-                sys.stdout.flush()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(exc.details() or "no such log") from exc
-            raise HypermeshError(f"node {node} at {address}: {exc.details()}") from exc
+        async for data in stream_log(
+            etcd, mesh.ks, ref, attempt, follow, store, lambda m: _err(f"note: {m}")
+        ):
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
 
 
 @main.command()

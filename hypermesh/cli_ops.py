@@ -94,4 +94,4 @@ async def extend(mesh: Mesh, workflow: str, experiment: str, samples: int, as_js
         _err(f"{workflow} {experiment}: {samples} task(s) added, {total} in all")
 
 
-OPS_COMMANDS = [retry, scale, extend]
+OPS_COMMANDS: list[click.Command] = [retry, scale, extend]
