@@ -150,20 +150,24 @@ async def stream_log(
     follow: bool = False,
     store_url: str | None = None,
     note: Callable[[str], None] = lambda message: None,
+    offset: int = 0,
 ) -> AsyncIterator[bytes]:
     """An attempt's log (``attempt`` 0: the latest), from its node or the stored copy.
 
     With ``follow``, keeps streaming from the node until the attempt ends; if the
     node dies meanwhile, the rest comes from the stored copy. ``note`` hears why
-    the stored copy was used. Raises ``NotFound`` when neither has the log.
+    the stored copy was used. ``offset`` skips that many bytes of the log. Raises
+    ``NotFound`` when neither has the log.
     """
     n, node, address = await _attempt_and_address(etcd, ks, ref, attempt)
-    sent = 0
+    sent = offset
     why = f"node {node}, which ran {ref} attempt {n}, is gone"
     if address is not None:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = agent_pb2_grpc.AgentStub(channel)
-            request = agent_pb2.ReadLogsRequest(task_id=ref.id, attempt=n, follow=follow)
+            request = agent_pb2.ReadLogsRequest(
+                task_id=ref.id, attempt=n, follow=follow, offset=offset
+            )
             try:
                 async for chunk in stub.ReadLogs(request):
                     sent += len(chunk.data)

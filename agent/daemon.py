@@ -89,6 +89,8 @@ class Agent:
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
+        self.http_address = ""
+        self._dashboard: Any = None
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
@@ -116,6 +118,7 @@ class Agent:
             state=self.state,
             started_at=self.started_at,
             lease=self.lease,
+            http_address=self.http_address,
         )
 
     def decide(self, message: str) -> None:
@@ -142,6 +145,11 @@ class Agent:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
         await self._server.start()
+        if self.cfg.http_listen is not None:
+            from hypermesh.agent.dashboard import start_dashboard
+
+            self._dashboard, self.http_address = await start_dashboard(self, self.cfg.http_listen)
+            (self.work_dir / "http.address").write_text(self.http_address + "\n")
         await self._register()
         (self.work_dir / "agent.address").write_text(self.address + "\n")
         loop = asyncio.get_running_loop()
@@ -186,6 +194,9 @@ class Agent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
             await self._server.stop(grace=1.0)
+            if self._dashboard is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dashboard.cleanup(), STOP_STEP_S)
             await self.logs.flush(STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)

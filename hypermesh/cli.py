@@ -193,6 +193,13 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Most bytes the chunk cache of each mounted data set holds.",
 )
 @click.option(
+    "--http-listen",
+    default=None,
+    metavar="HOST:PORT|off",
+    help="Web dashboard address; port 0 picks a free one "
+    "[lan: 127.0.0.1:7071, local: 127.0.0.1:0].",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -219,6 +226,7 @@ def agent_start(
     spot_poll: float | None,
     store: str | None,
     cache_size: str,
+    http_listen: str | None,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -251,6 +259,8 @@ def agent_start(
         overrides["spot_notice_url"] = spot_notice_url
     if spot_poll is not None:
         overrides["spot_poll"] = spot_poll
+    if http_listen is not None:
+        overrides["http_listen"] = None if http_listen == "off" else http_listen
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger().setLevel(logging.INFO)
     try:
@@ -478,6 +488,7 @@ async def tasks(
 async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
     """The gossip member table as the agent at ``address`` sees it ({} if it does not answer)."""
     from hypermesh._proto import agent_pb2, agent_pb2_grpc
+    from hypermesh.node_rows import gossip_table
 
     async with grpc.aio.insecure_channel(address) as channel:
         try:
@@ -486,15 +497,7 @@ async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
             )
         except grpc.aio.AioRpcError:
             return {}
-    return {
-        m.name: {
-            "state": m.state,
-            "incarnation": m.incarnation,
-            "meta": json.loads(m.meta_json or "{}"),
-            "since": m.state_since,
-        }
-        for m in reply.members
-    }
+    return gossip_table(reply)
 
 
 @main.command()
@@ -511,6 +514,8 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     Gossip columns (state, incarnation, load) are as one agent sees them: the
     leader, or the node named by --via.
     """
+    from hypermesh.node_rows import node_rows
+
     ks = mesh.ks
     view = MeshView(ks)
     async with mesh.connect() as etcd:
@@ -523,42 +528,7 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     if via and via not in view.nodes:
         raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
     gossip = await gossip_view(view.nodes[asked].address) if asked else {}
-    rows = [
-        {
-            "name": n.name,
-            "address": n.address,
-            "state": n.state,
-            "pool": n.pool,
-            "spot": n.spot,
-            "slots": n.slots,
-            "running": len(view.running_on(n.name)),
-            "gpus": n.gpus,
-            "gpu_type": n.gpu_type,
-            "cpus": n.cpus,
-            "memory": n.memory,
-            "labels": n.labels,
-            "leader": n.name == leader,
-            "gossip": gossip.get(n.name, {}).get("state"),
-            "incarnation": gossip.get(n.name, {}).get("incarnation"),
-            "load": gossip.get(n.name, {}).get("meta"),
-            "cached_bytes": (gossip.get(n.name, {}).get("meta") or {}).get("cached_bytes"),
-            "seen_by": asked if gossip else None,
-        }
-        for n in sorted(view.nodes.values(), key=lambda n: n.name)
-    ]
-    if show_all:
-        for name, g in sorted(gossip.items()):
-            if name not in view.nodes:
-                rows.append(
-                    {
-                        "name": name, "address": None, "state": "gone", "pool": None,
-                        "spot": None, "slots": None, "running": 0, "gpus": None,
-                        "gpu_type": None, "cpus": None, "memory": None, "labels": {},
-                        "leader": False, "gossip": g["state"], "incarnation": g["incarnation"],
-                        "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
-                        "seen_by": asked,
-                    }
-                )
+    rows = node_rows(view, gossip, asked, show_all)
     if as_json:
         _print_json(rows)
         return

@@ -230,6 +230,8 @@ class AgentProcess:
             name,
             "--listen",
             "127.0.0.1:0",
+            "--http-listen",  # several agents share this host: any free port
+            "127.0.0.1:0",
             "--work-dir",
             str(self.work_dir),
             "--slots",
@@ -245,6 +247,11 @@ class AgentProcess:
     @property
     def log_path(self) -> Path:
         return self.work_dir / "agent.log"
+
+    @property
+    def http_address(self) -> str:
+        """HOST:PORT of the agent's web dashboard (once it has started)."""
+        return (self.work_dir / "http.address").read_text().strip()
 
     def start(self, timeout: float = 30.0) -> AgentProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)

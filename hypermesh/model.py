@@ -50,6 +50,7 @@ class NodeRecord:
     state: str = "alive"
     started_at: float = 0.0
     lease: int = 0
+    http_address: str = ""  # the node's web dashboard, if it serves one
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

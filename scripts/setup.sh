@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 # System packages the project needs: fuse3 for chunkfs mounts; libfuse3-dev and
-# pkg-config because pyfuse3 builds from source.
-APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config)
+# pkg-config because pyfuse3 builds from source; chromium and its driver for the
+# dashboard's browser test (Selenium drives Debian's headless Chromium).
+APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config chromium chromium-driver)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
