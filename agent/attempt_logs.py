@@ -123,7 +123,7 @@ class LogShipper:
 
 
 # ----------------------------------------------------------------------------- reading
-async def _attempt_and_address(
+async def locate_attempt(
     etcd: Etcd, ks: Keyspace, ref: TaskRef, attempt: int
 ) -> tuple[int, str, str | None]:
     """(attempt number, node that ran it, its address if it is still registered)."""
@@ -159,7 +159,7 @@ async def stream_log(
     the stored copy was used. ``offset`` skips that many bytes of the log. Raises
     ``NotFound`` when neither has the log.
     """
-    n, node, address = await _attempt_and_address(etcd, ks, ref, attempt)
+    n, node, address = await locate_attempt(etcd, ks, ref, attempt)
     sent = offset
     why = f"node {node}, which ran {ref} attempt {n}, is gone"
     if address is not None:

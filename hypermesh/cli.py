@@ -558,22 +558,39 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     metavar="URL",
     help="Object store holding copies of logs, read when the node is gone [env HYPERMESH_STORE].",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One {"task", "attempt", "text"} object (per chunk with --follow, one per line).',
+)
 @mesh_options
 @run_async
-async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool, store: str | None) -> None:
+async def logs(
+    mesh: Mesh, task_id: str, attempt: int, follow: bool, store: str | None, as_json: bool
+) -> None:
     """Print a task attempt's output (stdout and stderr), from its node or the stored copy."""
-    from hypermesh.agent.attempt_logs import stream_log
+    from hypermesh.agent.attempt_logs import locate_attempt, stream_log
 
     try:
         ref = TaskRef.parse(task_id)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     async with mesh.connect() as etcd:
-        async for data in stream_log(
-            etcd, mesh.ks, ref, attempt, follow, store, lambda m: _err(f"note: {m}")
-        ):
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
+        n = (await locate_attempt(etcd, mesh.ks, ref, attempt))[0]
+        chunks = stream_log(etcd, mesh.ks, ref, n, follow, store, lambda m: _err(f"note: {m}"))
+        if not as_json:
+            async for data in chunks:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+            return
+        text = []
+        async for data in chunks:
+            text.append(data.decode("utf-8", errors="replace"))
+            if follow:
+                click.echo(json.dumps({"task": ref.id, "attempt": n, "text": text.pop()}))
+        if not follow:
+            _print_json({"task": ref.id, "attempt": n, "text": "".join(text)})
 
 
 @main.command()

@@ -4,6 +4,7 @@ gone. Real etcd, a real S3 server (SeaweedFS) and real agents."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,11 @@ def test_agent_without_store_keeps_logs_on_its_disk(mesh: Mesh) -> None:
     recipe = mesh.write_recipe('experiments:\n  say: {command: ["echo hello-disk"]}\n')
     wid = mesh.submit(recipe, "--wait")
     assert "hello-disk" in mesh.hm("logs", f"{wid}.say.0", check=True).stdout
+    as_json = mesh.hm_json("logs", f"{wid}.say.0")
+    assert as_json["task"] == f"{wid}.say.0" and as_json["attempt"] == 1
+    assert "hello-disk" in as_json["text"]
+    lines = mesh.hm("logs", f"{wid}.say.0", "--follow", "--json", check=True).stdout
+    assert "hello-disk" in "".join(json.loads(line)["text"] for line in lines.splitlines())
     mesh.agents["node1"].terminate()
     env = {k: v for k, v in mesh.env.items() if k != "HYPERMESH_STORE"}
     result = subprocess.run(
