@@ -199,3 +199,38 @@ def test_live_commands_reject_unknown_workflows() -> None:
             capture_output=True, text=True, timeout=60,
         )
         assert result.returncode != 0, args
+
+
+def test_live_changes_with_several_agents_and_a_crash_keep_the_invariants(mesh: Mesh) -> None:
+    for name in ("node1", "node2", "node3"):
+        mesh.agent(name, slots=3)
+    recipe = mesh.write_recipe(
+        f"""
+experiments:
+  work: {{samples: 12, workers: 4, command: ["{GATED}"]}}
+  after_work: {{after: [work], command: ["true"]}}
+"""
+    )
+    wid = mesh.submit(recipe)
+    wait_for(lambda: len(running(mesh, wid, "work")) == 4, 30, "four running", interval=0.2)
+    mesh.hm("scale", wid, "work", "--workers", "2", check=True)
+    mesh.hm("extend", wid, "work", "--samples", "6", check=True)
+    mesh.hm("scale", wid, "work", "--workers", "none", check=True)
+    wait_for(lambda: len(running(mesh, wid, "work")) == 9, 30, "nine running", interval=0.2)
+    victim = next(
+        n for n in ("node2", "node3") if any(t["node"] == n for t in running(mesh, wid, "work"))
+    )
+    mesh.agents[victim].crash()
+    mesh.hm("extend", wid, "work", "--samples", "2", check=True)
+    (mesh.root / "gate").touch()
+    final = mesh.wait_state(wid, {"succeeded", "failed", "cancelled"}, timeout=90)
+    assert final["state"] == "succeeded", final
+    tasks = mesh.hm_json("tasks", wid)
+    work = [t for t in tasks if t["experiment"] == "work"]
+    assert sorted(t["index"] for t in work) == list(range(20))
+    for t in work:  # exactly one success each; the crash's attempts are node-lost
+        states = [(a["state"], a["reason"]) for a in t["attempts"]]
+        assert states.count(("succeeded", "exit")) == 1, t
+        assert all(s == ("failed", "node-lost") for s in states if s[0] != "succeeded"), t
+    assert any(len(t["attempts"]) > 1 for t in work)  # the crash cost someone an attempt
+    assert max(e for _, e in spans(tasks, "work")) <= min(s for s, _ in spans(tasks, "after_work"))
