@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +52,16 @@ from hypermesh.txns import (
 log = logging.getLogger("hypermesh.agent")
 
 STOP_STEP_S = 5.0  # longest wait for each step of stopping
+
+
+def bind_dashboard(listen: str) -> socket.socket:
+    """The web dashboard's listening socket on ``listen`` (HOST:PORT, port 0: any
+    free one), bound at once so that a taken port fails the start with OSError."""
+    host, _, port = listen.rpartition(":")
+    try:
+        return socket.create_server((host, int(port)), backlog=64)
+    except OSError as exc:
+        raise OSError(f"cannot serve the dashboard on {listen} (--http-listen): {exc}") from exc
 
 
 @dataclass
@@ -90,7 +102,8 @@ class Agent:
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
         self.http_address = ""
-        self._dashboard: Any = None
+        self._dashboard: Any = None  # the web dashboard's aiohttp runner, once serving
+        self._dashboard_start: asyncio.Task[None] | None = None
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
@@ -145,11 +158,11 @@ class Agent:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
         await self._server.start()
+        dashboard_socket = None
         if self.cfg.http_listen is not None:
-            from hypermesh.agent.dashboard import start_dashboard
-
-            self._dashboard, self.http_address = await start_dashboard(self, self.cfg.http_listen)
-            (self.work_dir / "http.address").write_text(self.http_address + "\n")
+            dashboard_socket = bind_dashboard(self.cfg.http_listen)
+            host, port = dashboard_socket.getsockname()[:2]
+            self.http_address = f"{host}:{port}"
         await self._register()
         (self.work_dir / "agent.address").write_text(self.address + "\n")
         loop = asyncio.get_running_loop()
@@ -180,6 +193,8 @@ class Agent:
             )
         for t in self._tasks:
             t.add_done_callback(self._task_died)
+        if dashboard_socket is not None:
+            self._dashboard_start = asyncio.create_task(self._serve_dashboard(dashboard_socket))
         self.decide(f"started at {self.address} with lease {self.lease:x}")
         try:
             await self._stop.wait()
@@ -194,6 +209,8 @@ class Agent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
             await self._server.stop(grace=1.0)
+            if self._dashboard_start is not None:
+                self._dashboard_start.cancel()
             if self._dashboard is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._dashboard.cleanup(), STOP_STEP_S)
@@ -203,6 +220,20 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.mounts.close(), 4 * STOP_STEP_S)
             self.decide("stopped")
+
+    async def _serve_dashboard(self, sock: socket.socket) -> None:
+        """Serve the web dashboard on its bound socket. Its modules (aiohttp) load in
+        a thread after the agent has registered, so they never delay its start;
+        connections wait in the socket's backlog meanwhile."""
+        try:
+            module = await asyncio.to_thread(importlib.import_module, "hypermesh.agent.dashboard")
+            self._dashboard = await module.serve(self, sock)
+        except Exception:
+            log.exception("%s: the web dashboard failed to start", self.cfg.name)
+            sock.close()
+            return
+        (self.work_dir / "http.address").write_text(self.http_address + "\n")
+        self.decide(f"dashboard at http://{self.http_address}/")
 
     def _task_died(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or self._stop.is_set():

@@ -20,8 +20,9 @@ the server does no work of its own when nobody looks.
 from __future__ import annotations
 
 import json
+import socket
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from hypermesh.agent.attempt_logs import stream_log
@@ -154,18 +155,9 @@ def make_app(agent: Agent) -> web.Application:
     return app
 
 
-async def start_dashboard(agent: Agent, listen: str) -> tuple[web.AppRunner, str]:
-    """Serve the dashboard on ``listen`` (HOST:PORT, port 0: any free one); returns
-    the runner (``cleanup()`` stops it) and the bound HOST:PORT. Raises OSError
-    naming the address when it cannot bind."""
-    host, _, port = listen.rpartition(":")
+async def serve(agent: Agent, sock: socket.socket) -> web.AppRunner:
+    """Serve the dashboard on the bound ``sock``; ``cleanup()`` of the runner stops it."""
     runner = web.AppRunner(make_app(agent), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, int(port))
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(f"cannot serve the dashboard on {listen} (--http-listen): {exc}") from exc
-    bound: Any = runner.addresses[0]
-    return runner, f"{host}:{bound[1]}"
+    await web.SockSite(runner, sock).start()
+    return runner

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -120,3 +121,12 @@ def test_dashboard_endpoints_answer_json(mesh: Mesh) -> None:
     status, body = get("/api/nodes")
     assert status == 200 and body["nodes"][0]["name"] == "node1"
     assert body["nodes"][0]["http"] == node.http_address
+
+
+def test_a_taken_dashboard_port_fails_the_agent_start(mesh: Mesh) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"cannot serve the dashboard on 127.0.0.1:{port}"):
+            mesh.agent("node1", extra=("--http-listen", f"127.0.0.1:{port}"))
+    bad = mesh.hm("agent", "start", "--http-listen", "nowhere")
+    assert bad.returncode == 2 and "--http-listen 'nowhere': expected HOST:PORT" in bad.stderr
