@@ -88,7 +88,8 @@ experiments:
     assert "succeeded" in text_of(browser, '#attempts tr[data-attempt="1"]')
     # Nodes with their gossip state, and the chunk-cache map (one row per node).
     wait.until(lambda d: "alive" in text_of(d, 'tr[data-node="node2"]'))
-    assert "★" in text_of(browser, 'tr[data-node="node1"]')
+    leader = next(n["name"] for n in mesh.hm_json("nodes") if n["leader"])
+    wait.until(lambda d: "★" in text_of(d, f'tr[data-node="{leader}"]'))
     assert browser.find_elements(By.CSS_SELECTOR, 'tr[data-cache="node2"]')
     assert mesh.hm_json("status", wid)["state"] == "succeeded"
 
