@@ -18,6 +18,9 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   claiming node's lease.
 - ``attempt/<wid>/<exp>/<index>/<n>``: attempt record; by the claiming node, fenced.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
+- ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
+  ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
+  ``extend``, each guarded by the key's and the workflow state's revisions.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ class Keyspace:
     def result(self, ref: TaskRef) -> str:
         return f"{self.root}result/{ref.path}"
 
+    def experiment_control(self, wid: str, experiment: str) -> str:
+        return f"{self.root}expctl/{wid}/{experiment}"
+
     def slot(self, wid: str, experiment: str, k: int) -> str:
         return f"{self.root}slot/{wid}/{experiment}/{k}"
 
@@ -122,7 +128,7 @@ class Keyspace:
 
     def workflow_prefixes(self, wid: str) -> list[str]:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
-        kinds = ("task", "claim", "attempt", "result", "slot", "expanded")
+        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl")
         return [self.workflow(wid), self.workflow_state(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]

@@ -230,6 +230,8 @@ class AgentProcess:
             name,
             "--listen",
             "127.0.0.1:0",
+            "--http-listen",  # several agents share this host: any free port
+            "127.0.0.1:0",
             "--work-dir",
             str(self.work_dir),
             "--slots",
@@ -246,10 +248,19 @@ class AgentProcess:
     def log_path(self) -> Path:
         return self.work_dir / "agent.log"
 
+    @property
+    def http_address(self) -> str:
+        """HOST:PORT of the agent's web dashboard; waits until it serves (it starts
+        just after the agent does)."""
+        path = self.work_dir / "http.address"
+        wait_for(path.exists, 30, f"agent {self.name}'s dashboard to start")
+        return path.read_text().strip()
+
     def start(self, timeout: float = 30.0) -> AgentProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         address_file = self.work_dir / "agent.address"
         address_file.unlink(missing_ok=True)
+        (self.work_dir / "http.address").unlink(missing_ok=True)
         env = dict(os.environ if self.env is None else self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
