@@ -393,15 +393,19 @@ def _print_json(data: Any) -> None:
 @mesh_options
 @run_async
 async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
-    """Show a workflow's state per experiment (all workflows if none is named)."""
+    """Show a workflow's state per experiment and its cost so far (all workflows if none
+    is named)."""
+    from hypermesh.cli_burst import workflow_costs
+
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    ids = (
-        [workflow]
-        if workflow
-        else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
-    )
-    summaries = [view.workflow_summary(w) for w in ids]
+        ids = (
+            [workflow]
+            if workflow
+            else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+        )
+        costs = await workflow_costs(etcd, mesh.ks, ids)
+    summaries = [view.workflow_summary(w) | {"cost": costs[w]} for w in ids]
     if as_json:
         _print_json(summaries[0] if workflow else summaries)
         return
@@ -418,6 +422,9 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
                 f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
                 f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
             )
+        c = s["cost"]
+        click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
+                   f"(on-demand: {c['on_demand_cost']:.4f})")
 
 
 @main.command()
@@ -620,6 +627,10 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
 
 
 main.add_command(data)
+from hypermesh.cli_burst import events, pool  # noqa: E402  (it uses the helpers above)
+
+main.add_command(pool)
+main.add_command(events)
 
 
 @main.command(

@@ -128,3 +128,32 @@ def _check(name: str, value: float, low: float, high: float, integral: bool = Fa
 def cost(seconds: float, price_per_hour: float) -> float:
     """What ``seconds`` node-seconds cost at ``price_per_hour``."""
     return seconds / 3600.0 * price_per_hour
+
+
+def usage_cost(usage: dict[str, dict[str, float]], pools: dict[str, Pool]) -> dict[str, Any]:
+    """Cost of node-seconds per pool (``{pool: {"spot_s", "on_demand_s"}}``) at the
+    pools' prices, and what the same node-seconds would have cost on-demand. A
+    pool that is no longer declared costs 0 (its prices are gone)."""
+    total_s = total = on_demand = 0.0
+    per_pool: dict[str, Any] = {}
+    for name, used in sorted(usage.items()):
+        pool = pools.get(name)
+        spot_s = float(used.get("spot_s", 0.0))
+        od_s = float(used.get("on_demand_s", 0.0))
+        c = cost(spot_s, pool.node_price(True)) + cost(od_s, pool.price) if pool else 0.0
+        c_od = cost(spot_s + od_s, pool.price) if pool else 0.0
+        per_pool[name] = {
+            "spot_s": round(spot_s, 3),
+            "on_demand_s": round(od_s, 3),
+            "cost": round(c, 6),
+            "on_demand_cost": round(c_od, 6),
+        }
+        total_s += spot_s + od_s
+        total += c
+        on_demand += c_od
+    return {
+        "node_seconds": round(total_s, 3),
+        "cost": round(total, 6),
+        "on_demand_cost": round(on_demand, 6),
+        "pools": per_pool,
+    }
