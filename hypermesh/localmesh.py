@@ -246,7 +246,8 @@ class AgentProcess:
     def log_path(self) -> Path:
         return self.work_dir / "agent.log"
 
-    def start(self, timeout: float = 30.0) -> AgentProcess:
+    def start(self, timeout: float = 30.0, wait: bool = True) -> AgentProcess:
+        """Start the agent; with ``wait``, return once it listens (its address is known)."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         address_file = self.work_dir / "agent.address"
         address_file.unlink(missing_ok=True)
@@ -255,6 +256,8 @@ class AgentProcess:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
+        if not wait:
+            return self
 
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:

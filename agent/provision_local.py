@@ -1,0 +1,81 @@
+"""The ``local`` provisioner: agent processes on this machine.
+
+Each node is ``hypermesh agent start --preset local --pool P --name N`` in its
+own work directory under the context's work root (or the pool's ``root``
+option). The provider id is the process id; a process counts as ours only while
+its command line names this node and this namespace, so a reused pid is never
+signalled. Used by the tests and the local mesh to "burst".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import signal
+from pathlib import Path
+
+import psutil
+from hypermesh.agent.provisioner import Context, NodeSpec, ProvisionError
+
+from hypermesh.localmesh import AgentProcess
+from hypermesh.pools import Pool
+
+log = logging.getLogger(__name__)
+
+
+class LocalProvisioner:
+    def __init__(self, pool: Pool, ctx: Context) -> None:
+        self.pool = pool
+        self.ctx = ctx
+        self.root = Path(pool.options.get("root") or ctx.work_root)
+        # Children this process started, so their exit statuses are collected.
+        self._children: dict[int, AgentProcess] = {}
+
+    def launch(self, spec: NodeSpec) -> str:
+        extra = spec.agent_args()
+        if self.ctx.store:
+            extra += ["--store", self.ctx.store]
+        agent = AgentProcess(
+            spec.name, self.ctx.etcd, self.ctx.namespace, self.root / spec.name,
+            slots=spec.pool.slots, extra=extra,
+        )
+        try:
+            agent.start(wait=False)
+        except OSError as exc:
+            raise ProvisionError(f"cannot start a local agent for {spec.name}: {exc}") from exc
+        assert agent.proc is not None
+        self._children[agent.proc.pid] = agent
+        log.info("started local agent %s (pid %d) in %s", spec.name, agent.proc.pid, agent.work_dir)
+        return str(agent.proc.pid)
+
+    def _ours(self, name: str, provider_id: str) -> psutil.Process | None:
+        """The running process ``provider_id`` if it is this node's agent, else None."""
+        self._reap()
+        try:
+            proc = psutil.Process(int(provider_id))
+            cmdline = proc.cmdline()
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except (ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        pairs = set(itertools.pairwise(cmdline))
+        if ("--name", name) in pairs and ("--namespace", self.ctx.namespace) in pairs:
+            return proc
+        return None
+
+    def terminate(self, name: str, provider_id: str) -> bool:
+        proc = self._ours(name, provider_id)
+        if proc is None:
+            return True  # already gone (a pid reused since is not ours to signal)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM)  # the agent drains and deregisters
+        return True
+
+    def gone(self, name: str, provider_id: str) -> bool:
+        return self._ours(name, provider_id) is None
+
+    def _reap(self) -> None:
+        for pid, agent in list(self._children.items()):
+            if agent.proc is None or agent.proc.poll() is not None:
+                del self._children[pid]
