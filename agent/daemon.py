@@ -22,6 +22,8 @@ from typing import Any
 
 import grpc
 from hypermesh.agent import leader, spot
+from hypermesh.agent.burst import BurstDuty
+from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
@@ -84,6 +86,8 @@ class Agent:
         # between Python processes on a loaded 2-core machine need them.
         self.gossip = Gossip(self, GossipConfig.lan())
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
+        burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
+        self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -160,6 +164,7 @@ class Agent:
             asyncio.create_task(self._schedule(), name="schedule"),
             asyncio.create_task(self._campaign(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
+            asyncio.create_task(self._run_burst(), name="burst"),
         ]
         if self.cfg.spot:
             self._tasks.append(
@@ -307,6 +312,10 @@ class Agent:
     async def _run_gossip(self) -> None:
         await self._mirror_ready.wait()  # seeds come from the etcd registry
         await self.gossip.run()
+
+    async def _run_burst(self) -> None:
+        await self._mirror_ready.wait()
+        await self.burst.run()
 
     async def _lead(self) -> None:
         for action in leader.plan(self.view):

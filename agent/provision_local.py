@@ -33,6 +33,7 @@ class LocalProvisioner:
         self._children: dict[int, AgentProcess] = {}
 
     def launch(self, spec: NodeSpec) -> str:
+        self._reap()
         extra = spec.agent_args()
         if self.ctx.store:
             extra += ["--store", self.ctx.store]
