@@ -233,9 +233,9 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
     """The actions of one tick (see the module docstring for the guarantees)."""
     actions: list[Action] = []
     pools = snap.pools
-    preempted_pools = {pool for _, pool in snap.preempted}
-    for node, pool in snap.preempted:
-        actions.append(Forget(node, pool, "preempted: node vanished without being released"))
+    preempted_pools = {name for _, name in snap.preempted}
+    for node, name in snap.preempted:
+        actions.append(Forget(node, name, "preempted: node vanished without being released"))
 
     # Nodes of each provisioned pool, running and starting, against its max.
     count: dict[str, int] = {name: 0 for name in pools}
@@ -291,21 +291,21 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
 
     for p, slots in sorted(wanted_slots.items()):
         pool = pools[p]
-        n = min(nodes_for_slots(slots, pool.slots), pool.max_nodes - count[p])
-        if n <= 0:
+        more = min(nodes_for_slots(slots, pool.slots), pool.max_nodes - count[p])
+        if more <= 0:
             continue
         spot = use_spot(pool, spot_nodes[p], snap.history.get(p, PoolHistory()), cfg)
-        actions.append(Launch(p, n, spot, reasons[p]))
+        actions.append(Launch(p, more, spot, reasons[p]))
 
     # Releases: idle past the timeout, not below min, not while scaling up.
     releasing: dict[str, int] = {}
     for n in sorted(snap.nodes, key=lambda n: (-n.idle_s, n.name)):
-        pool = pools.get(n.pool)
-        if not n.owned or n.running or pool is None or n.pool in wanted_slots:
+        its_pool = pools.get(n.pool)
+        if not n.owned or n.running or its_pool is None or n.pool in wanted_slots:
             continue
-        if n.idle_s < pool.idle_timeout:
+        if n.idle_s < its_pool.idle_timeout:
             continue
-        if count[n.pool] - releasing.get(n.pool, 0) <= pool.min_nodes:
+        if count[n.pool] - releasing.get(n.pool, 0) <= its_pool.min_nodes:
             continue
         releasing[n.pool] = releasing.get(n.pool, 0) + 1
         actions.append(Release(n.name, n.pool, f"idle for {n.idle_s:.0f}s"))

@@ -138,10 +138,10 @@ def node_seconds(
         bucket = per_pool.setdefault(n.pool, {})
         bucket[market] = bucket.get(market, 0.0) + dt
     for claim_ref, claim in view.claims.items():
-        n = view.nodes.get(claim.node)
-        if n is None:
+        runner = view.nodes.get(claim.node)
+        if runner is None:
             continue
-        market = "spot_s" if n.spot else "on_demand_s"
-        bucket = per_wf.setdefault(claim_ref.workflow, {}).setdefault(n.pool, {})
-        bucket[market] = bucket.get(market, 0.0) + dt / max(1, n.slots)
+        market = "spot_s" if runner.spot else "on_demand_s"
+        bucket = per_wf.setdefault(claim_ref.workflow, {}).setdefault(runner.pool, {})
+        bucket[market] = bucket.get(market, 0.0) + dt / max(1, runner.slots)
     return per_pool, per_wf

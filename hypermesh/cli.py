@@ -627,10 +627,8 @@ async def cancel(mesh: Mesh, workflow: str) -> None:
 
 
 main.add_command(data)
-from hypermesh.cli_burst import events, pool  # noqa: E402  (it uses the helpers above)
-
-main.add_command(pool)
-main.add_command(events)
+# `pool` and `events` register themselves on `main`; they use the helpers above.
+import hypermesh.cli_burst  # noqa: E402, F401
 
 
 @main.command(

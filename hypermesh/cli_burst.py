@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from hypermesh.cli import Mesh, _print_json, mesh_options, run_async
+from hypermesh.cli import Mesh, _print_json, main, mesh_options, run_async
 from hypermesh.errors import NotFound, UsageError
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace
@@ -208,3 +208,7 @@ async def workflow_costs(etcd: Etcd, ks: Keyspace, wids: list[str]) -> dict[str,
         used = json.loads(found[0]) if found else {}
         out[wid] = usage_cost(used, pools)
     return out
+
+
+main.add_command(pool)
+main.add_command(events)
