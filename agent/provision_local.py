@@ -2,9 +2,11 @@
 
 Each node is ``hypermesh agent start --preset local --pool P --name N`` in its
 own work directory under the context's work root (or the pool's ``root``
-option). The provider id is the process id; a process counts as ours only while
-its command line names this node and this namespace, so a reused pid is never
-signalled. Used by the tests and the local mesh to "burst".
+option). A spot node polls the pool's ``spot_notice_url`` option for interruption
+notices (nothing answers by default). The provider id is the process id; a
+process counts as ours only while its command line names this node and this
+namespace, so a reused pid is never signalled. Used by the tests and the local
+mesh to "burst".
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from hypermesh.pools import Pool
 
 log = logging.getLogger(__name__)
 
+NO_NOTICES = "http://127.0.0.1:1/latest/meta-data/spot/instance-action"
+
 
 class LocalProvisioner:
     def __init__(self, pool: Pool, ctx: Context) -> None:
@@ -35,6 +39,10 @@ class LocalProvisioner:
     def launch(self, spec: NodeSpec) -> str:
         self._reap()
         extra = spec.agent_args()
+        if spec.spot:
+            # No cloud metadata here: the notice comes from the pool's option (a test
+            # server), else from a closed local port that refuses at once.
+            extra += ["--spot-notice-url", self.pool.options.get("spot_notice_url", NO_NOTICES)]
         if self.ctx.store:
             extra += ["--store", self.ctx.store]
         agent = AgentProcess(
