@@ -7,6 +7,8 @@ for spot requests only; every other call reaches the moto server."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +18,8 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+from hypermesh.agent.burst import BurstDuty
+from hypermesh.agent.burst_policy import BurstConfig, Launch, Release
 from hypermesh.agent.provision_ec2 import (
     TAG_NAMESPACE,
     TAG_NODE,
@@ -31,8 +35,11 @@ from hypermesh.agent.provisioner import (
     launch_with_fallback,
 )
 
+from hypermesh.etcd import Etcd, parse_endpoints
 from hypermesh.localmesh import _stop_process, free_port, wait_for
 from hypermesh.pools import Pool
+from tests.conftest import Mesh
+from tests.test_burst_events import stand_in_leader
 
 REGION = "us-east-1"
 
@@ -203,3 +210,43 @@ def test_other_errors_are_not_capacity(ec2: Any, moto_endpoint: str) -> None:
     refuse_spot(ec2, code="UnauthorizedOperation")
     with pytest.raises(ProvisionError, match="UnauthorizedOperation"):
         launch_with_fallback(prov, NodeSpec("cloud-e1", prov.pool, spot=True))
+
+
+def test_leader_duty_falls_back_records_and_releases(ec2: Any, moto_endpoint: str,
+                                                     mesh: Mesh) -> None:
+    """The burst duty with this provisioner and a real etcd: a refused spot launch
+    starts on-demand, the record and the events say so, and the release terminates it."""
+    prov = provisioner(ec2, moto_endpoint, namespace=mesh.namespace)
+    refuse_spot(ec2)
+
+    async def scenario() -> tuple[dict[str, Any], list[str], str]:
+        async with Etcd(parse_endpoints(mesh.etcd.url)) as etcd:
+            leader = stand_in_leader(mesh, etcd)
+
+            async def reload() -> None:
+                leader.view.reset()
+                kvs, _ = await etcd.get_prefix(leader.ks.root)
+                for kv in kvs:
+                    leader.view.apply(kv.key.decode(), kv.value, kv.create_revision,
+                                      kv.mod_revision)
+
+            duty = BurstDuty(leader, BurstConfig.local())  # type: ignore[arg-type]
+            duty._provisioners["cloud"] = (prov.pool, prov)
+            await duty._take_over()
+            await duty._launch(Launch("cloud", 1, True, "backlog: test"), prov.pool, 100.0)
+            await reload()
+            ((name, record),) = leader.view.instances.items()
+            assert duty._history(101.0)["cloud"].refused_s_ago == 1.0
+            await duty._release(Release(name, "cloud", "idle for 9s"), prov.pool)
+            await reload()
+            after = leader.view.instances[name]["state"]
+            kvs, _ = await etcd.get_prefix(leader.ks.kind_prefix("event"))
+            return record, [json.loads(kv.value)["action"] for kv in kvs], after
+
+    record, actions, state_after = asyncio.run(scenario())
+    assert record["spot"] is False and record["state"] == "starting"
+    assert record["provider_id"].startswith("i-")
+    assert actions == ["launch", "refused", "release"]
+    assert state_after == "releasing"
+    assert describe(ec2, record["provider_id"])["State"]["Name"] in ("shutting-down",
+                                                                    "terminated")
