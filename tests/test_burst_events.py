@@ -68,9 +68,14 @@ def test_events_cli_lists_and_follows(mesh: Mesh) -> None:
         env=mesh.env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
-    assert follow.stdout is not None
-    reader = threading.Thread(target=lambda: [lines.put(x) for x in follow.stdout], daemon=True)
-    reader.start()
+    out = follow.stdout
+    assert out is not None
+
+    def read() -> None:
+        for line in out:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         assert json.loads(lines.get(timeout=30)) == first
         second = first | {"action": "release", "node": "cloud-1", "count": None}
