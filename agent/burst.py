@@ -208,7 +208,7 @@ class BurstDuty:
             return
         provider_id = str(record.get("provider_id", ""))
         stopped = True
-        if pool is not None and pool.provisioned and provider_id:
+        if pool is not None and pool.provisioned:
             try:
                 stopped = await asyncio.to_thread(
                     self._provisioner(pool).terminate, action.node, provider_id

@@ -129,13 +129,19 @@ def vanished(view: MeshView) -> tuple[tuple[str, str], ...]:
 def node_seconds(
     view: MeshView, dt: float
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
-    """Node-seconds of the last ``dt`` seconds: per pool (every registered node),
-    and per workflow and pool (each running task's share of its node: dt / slots)."""
+    """Node-seconds of the last ``dt`` seconds: per pool (every registered node, and
+    every provisioned node still booting or going away, which the provider bills
+    too), and per workflow and pool (each running task's share of its node: dt / slots)."""
     per_pool: dict[str, dict[str, float]] = {}
     per_wf: dict[str, dict[str, dict[str, float]]] = {}
-    for n in view.nodes.values():
-        market = "spot_s" if n.spot else "on_demand_s"
-        bucket = per_pool.setdefault(n.pool, {})
+    billed = [(n.pool, n.spot) for n in view.nodes.values()] + [
+        (str(i.get("pool")), bool(i.get("spot")))
+        for name, i in view.instances.items()
+        if name not in view.nodes and i.get("state") in ("starting", "releasing")
+    ]
+    for pool, spot in billed:
+        market = "spot_s" if spot else "on_demand_s"
+        bucket = per_pool.setdefault(pool, {})
         bucket[market] = bucket.get(market, 0.0) + dt
     for claim_ref, claim in view.claims.items():
         runner = view.nodes.get(claim.node)

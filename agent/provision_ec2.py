@@ -155,7 +155,27 @@ class Ec2Provisioner:
         tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
         return tags.get(TAG_NAMESPACE) == self.ctx.namespace and tags.get(TAG_NODE) == name
 
+    def find(self, name: str) -> str:
+        """The id of this mesh's live instance of node ``name`` ("" if none), by tags:
+        for a record written before its RunInstances answered."""
+        try:
+            reply = self.client.describe_instances(Filters=[
+                {"Name": f"tag:{TAG_NAMESPACE}", "Values": [self.ctx.namespace]},
+                {"Name": f"tag:{TAG_NODE}", "Values": [name]},
+                {"Name": "instance-state-name", "Values": ["pending", "running", "stopping",
+                                                          "stopped"]},
+            ])
+        except ClientError as exc:
+            raise ProvisionError(f"DescribeInstances for {name}: {exc}") from exc
+        for reservation in reply.get("Reservations", []):
+            for instance in reservation.get("Instances", []):
+                return str(instance["InstanceId"])
+        return ""
+
     def terminate(self, name: str, provider_id: str) -> bool:
+        provider_id = provider_id or self.find(name)
+        if not provider_id:
+            return True  # nothing of ours runs under that name
         instance = self._describe(provider_id)
         if instance is None:
             return True

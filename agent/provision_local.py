@@ -73,8 +73,15 @@ class LocalProvisioner:
             return proc
         return None
 
+    def find(self, name: str) -> str:
+        """The pid of this node's agent ("" if none runs), for a record that lost it."""
+        for proc in psutil.process_iter(["cmdline"]):
+            if self._ours(name, str(proc.pid)) is not None:
+                return str(proc.pid)
+        return ""
+
     def terminate(self, name: str, provider_id: str) -> bool:
-        proc = self._ours(name, provider_id)
+        proc = self._ours(name, provider_id or self.find(name))
         if proc is None:
             return True  # already gone (a pid reused since is not ours to signal)
         with contextlib.suppress(psutil.NoSuchProcess):

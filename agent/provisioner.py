@@ -78,7 +78,9 @@ class Provisioner(Protocol):
 
     def terminate(self, name: str, provider_id: str) -> bool:
         """Stop a node this provisioner started; False (and nothing done) when the
-        id does not name a node of ours. A node already gone counts as stopped."""
+        id does not name a node of ours. A node already gone counts as stopped. An
+        empty ``provider_id`` (the leader died before the provider answered) means:
+        find this mesh's node ``name``."""
         ...
 
     def gone(self, name: str, provider_id: str) -> bool:

@@ -123,7 +123,12 @@ def test_node_seconds_per_pool_and_workflow() -> None:
     refs = feed.view.task_refs("w")
     feed.claim(refs[0], node="n1")
     feed.claim(refs[1], node="c1")
+    feed.put(feed.ks.instance("c1"), {"pool": "cloud", "spot": True, "state": "running"})
+    feed.put(feed.ks.instance("c2"), {"pool": "cloud", "spot": True, "state": "starting"})
+    feed.put(feed.ks.instance("c3"), {"pool": "cloud", "spot": False, "state": "releasing"})
     per_pool, per_wf = burst_view.node_seconds(feed.view, 2.0)
-    assert per_pool == {"onprem": {"on_demand_s": 2.0}, "cloud": {"spot_s": 2.0}}
+    # c1 registered, c2 booting and c3 going away are all billed; n1 is static.
+    assert per_pool == {"onprem": {"on_demand_s": 2.0},
+                        "cloud": {"spot_s": 4.0, "on_demand_s": 2.0}}
     # One of n1's two slots: half its time; all of c1's.
     assert per_wf == {"w": {"onprem": {"on_demand_s": 1.0}, "cloud": {"spot_s": 2.0}}}

@@ -176,6 +176,18 @@ def test_scale_down_terminates_only_owned_instances(ec2: Any, moto_endpoint: str
     assert prov.terminate("cloud-c1", ours) is True  # already gone: stopped
 
 
+def test_a_lost_provider_id_is_found_by_tags(ec2: Any, moto_endpoint: str) -> None:
+    prov = provisioner(ec2, moto_endpoint, namespace="ns-lost")
+    other = provisioner(ec2, moto_endpoint, namespace="ns-lost2").launch(
+        NodeSpec("cloud-f1", prov.pool, spot=False))
+    ours = prov.launch(NodeSpec("cloud-f1", prov.pool, spot=False))
+    assert prov.find("cloud-f1") == ours
+    assert prov.terminate("cloud-f1", "") is True
+    assert describe(ec2, ours)["State"]["Name"] in ("shutting-down", "terminated")
+    assert describe(ec2, other)["State"]["Name"] == "running"
+    assert prov.find("cloud-f1") == "" and prov.terminate("cloud-f1", "") is True
+
+
 def refuse_spot(ec2: Any, code: str = "InsufficientInstanceCapacity") -> list[dict[str, Any]]:
     """Make the client refuse spot RunInstances with ``code``; returns the requests seen."""
     seen: list[dict[str, Any]] = []
