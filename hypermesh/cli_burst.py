@@ -200,14 +200,16 @@ async def events(mesh: Mesh, as_json: bool, follow: bool) -> None:
 async def workflow_costs(etcd: Etcd, ks: Keyspace, wids: list[str]) -> dict[str, dict[str, Any]]:
     """``{wid: cost}`` for ``hypermesh status``: node-seconds its tasks used per pool,
     their cost, and what the same node-seconds would have cost on-demand."""
-    view = await _load(etcd, ks, ("pool",))
+    kinds = ("pool", "wfusage") if len(wids) > 1 else ("pool",)
+    view = await _load(etcd, ks, kinds)
+    if len(wids) == 1:
+        found = await etcd.get(ks.workflow_usage(wids[0]))
+        if found is not None:
+            view.apply(ks.workflow_usage(wids[0]), found[0], 0, found[1])
     pools = declared_pools(view)
-    out = {}
-    for wid in wids:
-        found = await etcd.get(ks.workflow_usage(wid))
-        used = json.loads(found[0]) if found else {}
-        out[wid] = usage_cost(used, pools)
-    return out
+    return {
+        wid: usage_cost(view.workflow_usage.get(wid, ({}, 0))[0], pools) for wid in wids
+    }
 
 
 main.add_command(pool)

@@ -113,6 +113,8 @@ def test_backlog_bursts_then_idle_burst_nodes_leave(burst_mesh: Mesh) -> None:
     assert cost["node_seconds"] > 0
     assert 0 < cost["cost"] < cost["on_demand_cost"]
     assert cost["pools"]["burst"]["spot_s"] > 0
+    (listed,) = mesh.hm_json("status")
+    assert listed["id"] == wid and listed["cost"]["cost"] >= cost["cost"]
     assert "cost" in mesh.hm("status", wid, check=True).stdout
 
 
