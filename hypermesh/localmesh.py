@@ -8,6 +8,7 @@ caller fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -319,6 +320,40 @@ class AgentProcess:
         unmount_under(self.work_dir)
 
 
+def mesh_agents(etcd_url: str, namespace: str) -> list[psutil.Process]:
+    """Running agent processes of one mesh, found by their command line: also those
+    no one here started by hand (a leader's ``local`` provisioner started them)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        pairs = set(itertools.pairwise(proc.info["cmdline"] or []))
+        if ("--etcd", etcd_url) in pairs and ("--namespace", namespace) in pairs and (
+            "agent", "start") in pairs:
+            found.append(proc)
+    return found
+
+
+def stop_all(procs: Sequence[psutil.Process], timeout: float) -> None:
+    """SIGTERM (drain) each, wait until all have exited, SIGKILL what is left."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM)
+
+    def exited() -> bool:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    return False
+        return True
+
+    with contextlib.suppress(TimeoutError):
+        wait_for(exited, timeout, "agents to stop", interval=0.1)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
 def unmount_under(root: Path) -> list[str]:
     """Lazily unmount every FUSE file system mounted at or below ``root`` (data set
     mounts of agents that died without unmounting); returns their mount points."""
@@ -418,6 +453,8 @@ class LocalMesh:
     def close(self) -> None:
         for agent in self.agents:
             agent.terminate(timeout=15)
+        # Agents a leader started to burst (local provisioner) go with the mesh.
+        stop_all(mesh_agents(self.etcd.url, self.namespace), timeout=15)
         unmount_under(self.root)
         self.etcd.stop()
         if self.s3 is not None:

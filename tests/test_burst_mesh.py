@@ -6,18 +6,20 @@ are seconds (tick 0.5 s, wait threshold 1 s, drain target 2 s)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
+import os
 import signal
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from hypermesh.localmesh import wait_for
-from tests.conftest import Mesh, process_gone
+from hypermesh.localmesh import LocalMesh, hypermesh_command, mesh_agents, stop_all, wait_for
+from tests.conftest import Mesh
 
 SWEEP = """\
 experiments:
@@ -28,14 +30,10 @@ experiments:
 """
 
 
-def burst_processes(namespace: str) -> list[psutil.Process]:
-    """Agents of this namespace's burst pool (started by the leader, not by the test)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        pairs = set(itertools.pairwise(proc.info["cmdline"] or []))
-        if ("--namespace", namespace) in pairs and ("--pool", "burst") in pairs:
-            found.append(proc)
-    return found
+def burst_processes(mesh: Mesh) -> list[psutil.Process]:
+    """Agents of the burst pool (started by the leader, not by the test)."""
+    return [p for p in mesh_agents(mesh.etcd.url, mesh.namespace)
+            if ("--pool", "burst") in set(itertools.pairwise(p.info["cmdline"]))]
 
 
 @pytest.fixture
@@ -47,16 +45,7 @@ def burst_mesh(mesh: Mesh) -> Iterator[Mesh]:
     try:
         yield mesh
     finally:
-        procs = burst_processes(mesh.namespace)
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGTERM)
-        # They are the leader's children: gone means exited (a zombie until reaped).
-        with contextlib.suppress(TimeoutError):
-            wait_for(lambda: all(process_gone(p.pid) for p in procs), 15, "burst agents to stop")
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        stop_all(burst_processes(mesh), timeout=15)
 
 
 def burst_nodes(mesh: Mesh) -> list[str]:
@@ -97,7 +86,7 @@ def test_backlog_bursts_then_idle_burst_nodes_leave(burst_mesh: Mesh) -> None:
         nonlocal most
         row = pool_row(mesh, "burst")
         most = max(most, len(row["nodes"]) + len(row["starting"]))
-        return not row["nodes"] and not row["starting"] and not burst_processes(mesh.namespace)
+        return not row["nodes"] and not row["starting"] and not burst_processes(mesh)
 
     wait_for(all_gone, 60, "burst nodes to be released", interval=0.3)
     assert most <= 3
@@ -130,7 +119,7 @@ def test_preempted_burst_node_is_replaced_while_work_remains(burst_mesh: Mesh) -
         return None
 
     victim = str(wait_for(a_burst_node_runs_a_task, 60, "a task on a burst node", interval=0.3))
-    (proc,) = [p for p in burst_processes(mesh.namespace)
+    (proc,) = [p for p in burst_processes(mesh)
                if ("--name", victim) in set(itertools.pairwise(p.cmdline()))]
     proc.send_signal(signal.SIGKILL)  # a preemption: no drain, no goodbye
 
@@ -162,4 +151,25 @@ def test_nothing_starts_without_a_backlog_that_may_burst(burst_mesh: Mesh) -> No
     assert burst_nodes(mesh) == []
     assert pool_row(mesh, "burst")["starting"] == []
     assert [e for e in events(mesh) if e["action"] == "launch"] == []
-    assert not burst_processes(mesh.namespace)
+    assert not burst_processes(mesh)
+
+
+def test_local_mesh_stops_the_agents_its_leader_started(tmp_path: Path) -> None:
+    mesh = LocalMesh(tmp_path, agents=1, slots=1, namespace="burstclose", fsync=False)
+    mesh.start()
+    try:
+        env = dict(os.environ, **mesh.env())
+
+        def hm(*args: str) -> str:
+            return subprocess.run([*hypermesh_command(), *args], env=env, check=True,
+                                  capture_output=True, text=True, timeout=60).stdout
+
+        hm("pool", "set", "burst", "--kind", "local", "--max", "1", "--idle-timeout", "10m")
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(SWEEP.format(values="0, 1, 2, 3", seconds=3))
+        hm("submit", str(recipe))
+        wait_for(lambda: [n for n in json.loads(hm("nodes", "--json")) if n["pool"] == "burst"],
+                 60, "a burst node", interval=0.3)
+    finally:
+        mesh.close()
+    assert mesh_agents(mesh.etcd.url, "burstclose") == []
