@@ -317,6 +317,10 @@ async def submit(
         source=str(recipe),
     )
     async with mesh.connect() as etcd:
+        from hypermesh.cli_burst import unknown_pools
+
+        for warning in await unknown_pools(etcd, mesh.ks, parsed):
+            _err(f"warning: {warning}")
         await submit_workflow(etcd, mesh.ks, wf)
         _err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
         if not wait:

@@ -18,6 +18,7 @@ from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace
 from hypermesh.model import MeshView, dumps
 from hypermesh.pools import KINDS, Pool, usage_cost
+from hypermesh.recipe import Recipe
 from hypermesh.units import UnitError, parse_duration
 
 
@@ -194,6 +195,24 @@ async def events(mesh: Mesh, as_json: bool, follow: bool) -> None:
                 show(kv.key.decode(), kv.value)
             return
         await etcd.mirror(prefix, show, lambda revision: None)  # until interrupted
+
+
+# ---------------------------------------------------------------------- submit
+async def unknown_pools(etcd: Etcd, ks: Keyspace, recipe: Recipe) -> list[str]:
+    """Warnings for experiments whose ``pools`` name no declared pool and no pool a
+    live node is in: their tasks would wait until such a node joins."""
+    named = {p for exp in recipe.experiments for p in exp.pools}
+    if not named:
+        return []
+    view = await _load(etcd, ks, ("pool", "node"))
+    known = set(view.pools) | {n.pool for n in view.nodes.values()}
+    return [
+        f"experiment {exp.name!r}: no pool {p!r} is declared and no live node is in it; "
+        "its tasks wait until one is"
+        for exp in recipe.experiments
+        for p in exp.pools
+        if p not in known and not any(q in known for q in exp.pools)
+    ]
 
 
 # ---------------------------------------------------------------------- cost

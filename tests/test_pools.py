@@ -157,3 +157,11 @@ def test_pool_set_rejects_bad_input(mesh: Mesh, args: tuple[str, ...], message: 
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert mesh.hm_json("pool", "ls") == []  # nothing half-written
+
+
+def test_submit_warns_about_pools_nothing_provides(mesh: Mesh) -> None:
+    recipe = mesh.write_recipe("experiments:\n  e:\n    command: echo\n    pools: [gpu]\n")
+    result = mesh.hm("submit", str(recipe), check=True)
+    assert "warning: experiment 'e': no pool 'gpu' is declared" in result.stderr
+    mesh.hm("pool", "set", "gpu", "--kind", "local", "--max", "1", check=True)
+    assert "warning" not in mesh.hm("submit", str(recipe), check=True).stderr
