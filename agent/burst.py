@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LAUNCH_PARALLEL = 8  # provider calls in flight at once when a tick starts many nodes
+
 
 class BurstDuty:
     """Owned by one agent; acts only while that agent leads."""
@@ -175,32 +177,43 @@ class BurstDuty:
     async def _launch(self, action: Launch, pool: Pool, now: float) -> None:
         await self._event("launch", pool.name, count=action.count, spot=action.spot,
                           reason=action.reason)
+        records = {}
         for _ in range(action.count):
             name = f"{pool.name}-{secrets.token_hex(3)}"
-            record = {"pool": pool.name, "spot": action.spot, "provider_id": "",
-                      "requested_at": now, "state": "starting", "by": self.agent.cfg.name}
-            await self._put_record(name, record)  # first: a crash here leaves a trace
-            spec = NodeSpec(name, pool, action.spot)
-            try:
-                started = await asyncio.to_thread(
-                    launch_with_fallback, self._provisioner(pool), spec
-                )
-            except (CapacityRefused, ProvisionError) as exc:
-                if isinstance(exc, CapacityRefused) and exc.spot:
-                    self._refused[pool.name] = now
-                await self._drop_record(name)
-                await self._event("refused", pool.name, node=name, spot=spec.spot,
-                                  reason=str(exc))
-                return
-            if started.refused is not None:
+            records[name] = {"pool": pool.name, "spot": action.spot, "provider_id": "",
+                             "requested_at": now, "state": "starting",
+                             "by": self.agent.cfg.name}
+            await self._put_record(name, records[name])  # first: a crash leaves a trace
+        gate = asyncio.Semaphore(LAUNCH_PARALLEL)
+
+        async def start(name: str) -> None:
+            async with gate:
+                await self._start(name, records[name], NodeSpec(name, pool, action.spot), now)
+
+        await asyncio.gather(*(start(name) for name in records))
+
+    async def _start(self, name: str, record: dict[str, Any], spec: NodeSpec,
+                     now: float) -> None:
+        pool = spec.pool
+        try:
+            started = await asyncio.to_thread(launch_with_fallback, self._provisioner(pool), spec)
+        except (CapacityRefused, ProvisionError) as exc:
+            refused = isinstance(exc, CapacityRefused)
+            if refused and spec.spot:  # spot and on-demand both refused
                 self._refused[pool.name] = now
-                await self._event("refused", pool.name, node=name, spot=True,
-                                  reason=f"{started.refused}; started on-demand instead")
-            await self._put_record(
-                name, record | {"provider_id": started.provider_id, "spot": started.spot}
-            )
-            self.agent.decide(f"burst: started {name} in pool {pool.name} "
-                              f"({'spot' if started.spot else 'on-demand'})")
+            await self._drop_record(name)
+            await self._event("refused" if refused else "failed", pool.name, node=name,
+                              spot=spec.spot, reason=str(exc))
+            return
+        if started.refused is not None:
+            self._refused[pool.name] = now
+            await self._event("refused", pool.name, node=name, spot=True,
+                              reason=f"{started.refused}; started on-demand instead")
+        await self._put_record(
+            name, record | {"provider_id": started.provider_id, "spot": started.spot}
+        )
+        self.agent.decide(f"burst: started {name} in pool {pool.name} "
+                          f"({'spot' if started.spot else 'on-demand'})")
 
     async def _release(self, action: Release, pool: Pool | None) -> None:
         record = self.agent.view.instances.get(action.node)
