@@ -80,8 +80,16 @@ def ec2(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     return boto3.client("ec2", region_name=REGION, endpoint_url=moto_endpoint)
 
 
+_IMAGES: dict[str, str] = {}
+
+
 def image_id(ec2: Any) -> str:
-    return str(ec2.describe_images()["Images"][0]["ImageId"])
+    """One of moto's AMIs (listing them is slow: once per server)."""
+    endpoint = ec2.meta.endpoint_url
+    if endpoint not in _IMAGES:
+        images = ec2.describe_images(Owners=["amazon"], MaxResults=5)["Images"]
+        _IMAGES[endpoint] = str(images[0]["ImageId"])
+    return _IMAGES[endpoint]
 
 
 def provisioner(ec2: Any, moto_endpoint: str, namespace: str = "ns1",
