@@ -89,6 +89,9 @@ class ReadStats:
             "read_errors": 0,
             "prefetched_blocks": 0,
             "file_reads": 0,
+            "pushed_bytes": 0,
+            "push_dropped": 0,
+            "push_errors": 0,
         }
 
     def served(self, source: str, blocks: int, nbytes: int) -> None:

@@ -25,6 +25,9 @@ how far to prefetch; ``FileReader`` maps file ranges to chunk ranges and drives 
 The reader also prefetches the rest of a chunk once ``whole_chunk_after`` distinct
 blocks of it were missed by reads (many small files read in any order).
 
+A prefetch may name a *sink* that gets the blocks it fetched, verified, as they arrive
+(the FUSE layer puts them into the kernel's page cache, so the reader never asks).
+
 The peer hook: ``peer_fetch(chunk_id, offset, length) -> bytes | None`` is called
 before the store for every run to be fetched. It returns the chunk's bytes in that
 range (exactly ``length`` of them) or None; its bytes are verified like the store's,
@@ -35,6 +38,7 @@ from fetch threads, must be thread-safe and should answer within a second or two
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import threading
 import time
@@ -62,6 +66,11 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 PeerFetch = Callable[[str, int, int], "bytes | None"]
+BlockSink = Callable[[ChunkInfo, int, "list[memoryview]"], None]
+"""Gets what a prefetch fetched, verified: (chunk, first block index, adjacent blocks)."""
+PagePush = Callable[[int, "memoryview | bytes"], None]
+"""Gets verified bytes of one file at a page-aligned file offset: (offset, data)."""
+PAGE = 4096
 _Result = tuple[memoryview, str]  # a verified block and where it came from
 
 
@@ -89,7 +98,7 @@ class FetchConfig:
     """
 
     deadline_s: float = 30.0
-    range_bytes: int = 8 * MiB
+    range_bytes: int = 16 * MiB
     threads: int = 16
     prefetch_threads: int = 8
     prefetch_queue: int = 48
@@ -179,6 +188,23 @@ class ChunkReader:
             self.stats.add("read_errors")
             raise
 
+    def read_cached(self, chunk: ChunkInfo, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset+length)`` of ``chunk`` if every block they need is
+        already verified in the cache, else None. Never fetches or waits (a ``pread``
+        of the cache file, normally in the page cache), so the FUSE layer may call it
+        on its event loop and skip a thread hop for most small-file reads."""
+        length = min(length, chunk.size - offset)
+        if length <= 0:
+            return b""
+        cid = chunk.id
+        first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
+        with self.cache.pin(cid):
+            if not all(self.cache.verified(cid, i) for i in range(first, last + 1)):
+                return None
+            data = self.cache.read(cid, offset, length)
+        self.stats.served("cache", last - first + 1, length)
+        return data
+
     def _read(
         self, chunk: ChunkInfo, offset: int, length: int, deadline: float, sequential: bool
     ) -> bytes:
@@ -257,11 +283,12 @@ class ChunkReader:
     # --------------------------------------------------------------- fetching
     def _fetch_run(
         self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
-    ) -> None:
+    ) -> dict[int, _Result]:
         """Fetch and verify one run of claimed blocks, hand them to waiting reads, cache them.
 
         Waiting reads get their blocks before the blocks are written to the cache; the
         claims are released only after, so no read fetches a block a second time.
+        Returns the good blocks.
         """
         results: dict[int, _Result | BaseException] = {}
         try:
@@ -272,21 +299,19 @@ class ChunkReader:
                 log.exception("fetch of chunk %s blocks %s failed", chunk.id, run)
         for i in run:
             results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
-        good: dict[int, _Result | BaseException] = {
-            i: r for i, r in results.items() if isinstance(r, tuple)
-        }
+        good: dict[int, _Result] = {i: r for i, r in results.items() if isinstance(r, tuple)}
         self._resolve(chunk.id, {i: r for i, r in results.items() if i not in good})
         with self._lock:
             _settle({i: self._inflight.get((chunk.id, i)) for i in good}, results)
         try:
             self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
             for i, result in good.items():
-                assert isinstance(result, tuple)
                 self.cache.put_block(chunk.id, i, result[0])
         except Exception:
             log.exception("caching chunk %s blocks %s failed", chunk.id, run)
         finally:
-            self._resolve(chunk.id, good)
+            self._resolve(chunk.id, dict(good))
+        return good
 
     def _resolve(self, cid: str, results: dict[int, _Result | BaseException]) -> None:
         """Release the claims of these blocks (their futures get ``results`` if not done)."""
@@ -438,11 +463,15 @@ class ChunkReader:
         raise CorruptData(f"block list of chunk {chunk.id}: does not match the chunk id (twice)")
 
     # --------------------------------------------------------------- prefetch
-    def prefetch(self, chunk: ChunkInfo, offset: int, length: int) -> None:
+    def prefetch(
+        self, chunk: ChunkInfo, offset: int, length: int, sink: BlockSink | None = None
+    ) -> None:
         """Fetch the blocks of a range in the background; returns at once.
 
         Blocks cached or in flight are skipped; runs that do not fit the queue are
-        dropped (prefetch is advice). Errors are logged, never raised.
+        dropped (prefetch is advice). Errors are logged, never raised. ``sink`` gets
+        the blocks this prefetch fetched (not those it skipped), from a fetch thread;
+        it must not block.
         """
         length = min(length, chunk.size - offset)
         if length <= 0:
@@ -456,20 +485,23 @@ class ChunkReader:
                 self._prefetch_pending += 1
             blocks = range(start, min(last + 1, start + step))
             try:
-                self._prefetch_pool.submit(self._prefetch_run, chunk, blocks)
+                self._prefetch_pool.submit(self._prefetch_run, chunk, blocks, sink)
             except RuntimeError:
                 with self._lock:
                     self._prefetch_pending -= 1
                 return
 
-    def _prefetch_run(self, chunk: ChunkInfo, blocks: range) -> None:
+    def _prefetch_run(self, chunk: ChunkInfo, blocks: range, sink: BlockSink | None) -> None:
         try:
             deadline = time.monotonic() + self.config.deadline_s
             block_list = self._block_list(chunk, deadline)
             _waits, new = self._claim(chunk, blocks)
             for run in runs(new, self.config.run_blocks):
-                self._fetch_run(chunk, block_list, run, deadline)
+                good = self._fetch_run(chunk, block_list, run, deadline)
                 self.stats.add("prefetched_blocks", len(run))
+                if sink is not None:
+                    for part in runs(good, len(good) or 1):
+                        sink(chunk, part[0], [good[i][0] for i in part])
         except HypermeshError as exc:
             log.debug("prefetch of chunk %s blocks %s failed: %s", chunk.id, blocks, exc)
         except Exception:
@@ -535,16 +567,18 @@ class Readahead:
     """Per open file: tells sequential reads apart and says how far ahead to fetch.
 
     A read that starts at offset 0, or near where the last one ended (within
-    ``slack``: the kernel may have several reads of one file in flight), is sequential;
+    ``slack``, two steps by default: the kernel may have several reads of one file in
+    flight, and pages pushed into its cache are never asked for), is sequential;
     each one doubles the window (from ``start`` up to ``maximum``). Anything else resets
     it. Advice comes in pieces of at least ``step`` bytes (one ranged GET's worth) once
     the window is that large. Pure logic; the caller serialises calls.
     """
 
     def __init__(
-        self, start: int, maximum: int, step: int = 8 * MiB, slack: int = 8 * MiB
+        self, start: int, maximum: int, step: int = 8 * MiB, slack: int | None = None
     ) -> None:
-        self.start, self.maximum, self.step, self.slack = start, maximum, step, slack
+        self.start, self.maximum, self.step = start, maximum, step
+        self.slack = 2 * step if slack is None else slack
         self.lock = threading.Lock()  # for callers that share one between threads
         self.window = 0
         self._next: int | None = None
@@ -576,16 +610,21 @@ class FileReader:
     """Reads of files of one data set version: file ranges → chunk ranges.
 
     Guarantees the bytes returned are the file's bytes (or an error); ``readahead``,
-    when given, is consulted and its advice handed to the reader's prefetch.
+    when given, is consulted and its advice handed to the reader's prefetch. With
+    ``push`` too, what that prefetch fetches is handed to ``push`` as page-aligned file
+    ranges (see :func:`push_pages`), so the kernel need not ask for it.
     """
 
     def __init__(self, reader: ChunkReader, chunks: tuple[ChunkInfo, ...]) -> None:
         self.reader = reader
         self.chunks = chunks
 
-    def _pieces(self, entry: Entry, offset: int, length: int) -> list[tuple[ChunkInfo, int, int]]:
+    def _pieces(
+        self, entry: Entry, offset: int, length: int
+    ) -> list[tuple[ChunkInfo, int, int, int]]:
+        """``(chunk, chunk offset, length, file offset)`` of the extents under a file range."""
         end = min(entry.size, offset + length)
-        out: list[tuple[ChunkInfo, int, int]] = []
+        out: list[tuple[ChunkInfo, int, int, int]] = []
         extents = entry.extents
         i = max(0, bisect.bisect_right(extents, offset, key=lambda e: e.file_offset) - 1)
         while i < len(extents) and offset < end:
@@ -593,13 +632,33 @@ class FileReader:
             lo, hi = max(offset, ext.file_offset), min(end, ext.file_offset + ext.length)
             if hi > lo:
                 chunk_offset = ext.chunk_offset + lo - ext.file_offset
-                out.append((self.chunks[ext.chunk], chunk_offset, hi - lo))
+                out.append((self.chunks[ext.chunk], chunk_offset, hi - lo, lo))
                 offset = hi
             i += 1
         return out
 
+    def read_cached(self, entry: Entry, offset: int, length: int) -> bytes | None:
+        """Like :meth:`read` for a file of at most one block, when all its bytes are
+        in the cache already; None otherwise (then call :meth:`read` in a thread).
+        Larger files always go through :meth:`read`, which drives their prefetch."""
+        if entry.size > BLOCK_SIZE:
+            return None
+        data = []
+        for chunk, start, size, _ in self._pieces(entry, offset, length):
+            piece = self.reader.read_cached(chunk, start, size)
+            if piece is None:
+                return None
+            data.append(piece)
+        self.reader.stats.add("file_reads")
+        return data[0] if len(data) == 1 else b"".join(data)
+
     def read(
-        self, entry: Entry, offset: int, length: int, readahead: Readahead | None = None
+        self,
+        entry: Entry,
+        offset: int,
+        length: int,
+        readahead: Readahead | None = None,
+        push: PagePush | None = None,
     ) -> bytes:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
         self.reader.stats.add("file_reads")
@@ -608,10 +667,58 @@ class FileReader:
             with readahead.lock:
                 advice = readahead.advise(offset, length, entry.size)
             if advice is not None:
-                for chunk, start, size in self._pieces(entry, *advice):
-                    self.reader.prefetch(chunk, start, size)
+                for chunk, start, size, at in self._pieces(entry, *advice):
+                    sink = None
+                    if push is not None:
+                        sink = functools.partial(
+                            push_pages, push, entry.size, at - start, start, start + size
+                        )
+                    self.reader.prefetch(chunk, start, size, sink)
         sequential = (
             readahead is not None and readahead.window > 0 and offset + length < entry.size
         )
-        data = [self.reader.read(chunk, start, size, sequential) for chunk, start, size in pieces]
+        data = [
+            self.reader.read(chunk, start, size, sequential) for chunk, start, size, _ in pieces
+        ]
         return data[0] if len(data) == 1 else b"".join(data)
+
+
+def push_pages(
+    push: PagePush,
+    file_size: int,
+    delta: int,
+    lo: int,
+    hi: int,
+    chunk: ChunkInfo,
+    first: int,
+    blocks: list[memoryview],
+) -> None:
+    """Hand prefetched blocks to ``push`` as file ranges the page cache can take whole.
+
+    The blocks (from block ``first`` of ``chunk``) cover chunk bytes; the file's bytes
+    are chunk range ``[lo, hi)`` at file offset ``chunk offset + delta``. Pushed:
+    whole pages only (the end of the file may end one), in pieces of at most a block,
+    and never the run's first block — the kernel still asks for that one, and its
+    read keeps the file's readahead going (a clock read every run, not every MiB).
+    Zero-copy when block and page boundaries coincide; otherwise the run is joined once.
+    """
+    if len(blocks) < 2:
+        return
+    base = (first + 1) * BLOCK_SIZE
+    blocks = blocks[1:]
+    start = max(lo, base)
+    end = min(hi, base + sum(len(b) for b in blocks))
+    a = -(-(start + delta) // PAGE) * PAGE - delta  # chunk offsets of whole file pages
+    b = end if end + delta == file_size else (end + delta) // PAGE * PAGE - delta
+    if b <= a:
+        return
+    if delta % PAGE == 0:
+        for k, block in enumerate(blocks):
+            c0 = base + k * BLOCK_SIZE
+            s, e = max(a, c0), min(b, c0 + len(block))
+            if e > s:
+                push(s + delta, block[s - c0 : e - c0])
+        return
+    joined = memoryview(b"".join(blocks))
+    for s in range(a, b, BLOCK_SIZE):
+        push(s + delta, joined[s - base : min(s + BLOCK_SIZE, b) - base])

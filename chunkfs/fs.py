@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
-from hypermesh.chunkfs.fetch import FileReader, Readahead
+from hypermesh.chunkfs.fetch import FileReader, PagePush, Readahead
 from hypermesh.chunkfs.format import Entry, Root
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs, OutStat
+from hypermesh.chunkfs.pagepush import PagePusher
 
 from hypermesh.errors import HypermeshError, NotFound, UsageError
 
@@ -96,6 +97,7 @@ def _thread(fn: Callable[..., T], *args: Any) -> Awaitable[T]:
 class _DataFile:
     entry: Entry
     readahead: Readahead
+    push: PagePush | None = None
 
 
 @dataclass
@@ -128,6 +130,7 @@ class ChunkFS(pyfuse3.Operations):
         stats: Callable[[], dict[str, Any]],
         *,
         readahead: tuple[int, int, int] = (4 << 20, 64 << 20, 8 << 20),
+        pusher: PagePusher | None = None,
     ) -> None:
         super().__init__()
         self.root = root
@@ -136,6 +139,7 @@ class ChunkFS(pyfuse3.Operations):
         self.outputs = outputs
         self.stats = stats
         self.readahead = readahead
+        self.pusher = pusher
         self.uid, self.gid = os.getuid(), os.getgid()
         self._lock = threading.Lock()
         self._ino: dict[str, int] = {"": pyfuse3.ROOT_INODE}
@@ -373,14 +377,20 @@ class ChunkFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.kind != "f":
             raise pyfuse3.FUSEError(errno.EISDIR if entry.kind == "d" else errno.ELOOP)
-        self._handles[fh] = _DataFile(entry, Readahead(*self.readahead))
+        push = self.pusher.bind(inode) if self.pusher is not None else None
+        self._handles[fh] = _DataFile(entry, Readahead(*self.readahead), push)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @_fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
         handle = self._handles[fh]
         if isinstance(handle, _DataFile):
-            return await _thread(self.files.read, handle.entry, off, size, handle.readahead)
+            cached = self.files.read_cached(handle.entry, off, size)
+            if cached is not None:  # a small file's bytes already here: no thread hop
+                return cached
+            return await _thread(
+                self.files.read, handle.entry, off, size, handle.readahead, handle.push
+            )
         kind, value = handle
         if kind == "stats":
             return bytes(value[off : off + size])

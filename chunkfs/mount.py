@@ -109,11 +109,17 @@ def serve(
     fetch: FetchConfig,
     peer_fetch: PeerFetch | None = None,
     ready: Callable[[str], None] | None = None,
+    push_pages: bool = True,
 ) -> None:
-    """Mount and serve until unmounted or signalled; ``ready(message)`` once it answers."""
+    """Mount and serve until unmounted or signalled; ``ready(message)`` once it answers.
+
+    ``push_pages``: store what sequential readahead fetched straight into the kernel's
+    page cache (``chunkfs.pagepush``); off, every page is read through a FUSE request.
+    """
     import pyfuse3
     import pyfuse3.asyncio
     from hypermesh.chunkfs.fs import ChunkFS
+    from hypermesh.chunkfs.pagepush import PagePusher
 
     mountpoint = mountpoint.absolute()
     _check_mountpoint(mountpoint)
@@ -150,6 +156,7 @@ def serve(
             "manifest_pages_loaded": manifest.pages_loaded,
         }
 
+    pusher = PagePusher(pyfuse3.notify_store, cache.stats) if push_pages else None
     ops = ChunkFS(
         root,
         manifest,
@@ -157,6 +164,7 @@ def serve(
         outputs,
         stats,
         readahead=(fetch.readahead_start, fetch.readahead_max, fetch.range_bytes),
+        pusher=pusher,
     )
     options = set(pyfuse3.default_options)
     options |= {f"fsname=chunkfs:{root.name}@{root.version}", "subtype=chunkfs"}
@@ -168,6 +176,8 @@ def serve(
     try:
         asyncio.run(_main(mountpoint, ready))
     finally:
+        if pusher is not None:
+            pusher.close()  # before the session goes: stores use it
         pyfuse3.close(unmount=True)
         outputs.close()
         reader.close()
@@ -281,10 +291,13 @@ class MountProcess:
         cache_size: str = DEFAULT_CACHE_SIZE,
         deadline: str = "30s",
         env: dict[str, str] | None = None,
+        push_pages: bool = True,
     ) -> None:
         self.spec, self.mountpoint, self.cache_dir = spec, Path(mountpoint), Path(cache_dir)
         self.args = [spec, str(mountpoint), "--cache-dir", str(cache_dir),
                      "--cache-size", cache_size, "--deadline", deadline, "--die-with-parent"]
+        if not push_pages:
+            self.args.append("--no-push-pages")
         if store_url:
             self.args += ["--store", store_url]
         self.env = env
@@ -341,6 +354,8 @@ class MountProcess:
               help="Most bytes the chunk cache holds (e.g. 20GiB).")
 @click.option("--deadline", default="30s", show_default=True,
               help="How long a read retries an unavailable store before it fails (EIO).")
+@click.option("--push-pages/--no-push-pages", default=True, show_default=True,
+              help="Store what sequential readahead fetched straight into the page cache.")
 @click.option("--foreground", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Log of the detached mount process [<cache-dir>/mount.log].")
@@ -354,6 +369,7 @@ def mount(
     cache_dir: Path | None,
     cache_size: str,
     deadline: str,
+    push_pages: bool,
     foreground: bool,
     log_file: Path | None,
     ready_fd: int | None,
@@ -376,6 +392,8 @@ def mount(
     if not foreground:
         args = [spec, str(mountpoint.absolute()), "--cache-dir", str(cache_dir),
                 "--cache-size", cache_size, "--deadline", deadline]
+        if not push_pages:
+            args.append("--no-push-pages")
         if store_url:
             args += ["--store", store_url]
         log_path = (log_file or cache_dir / "mount.log").absolute()
@@ -386,7 +404,7 @@ def mount(
         _die_with_parent()
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
-              fetch=fetch, ready=report)
+              fetch=fetch, ready=report, push_pages=push_pages)
     except UsageError as exc:
         report(f"err 2 {exc}")
         sys.exit(2)

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 from hypermesh.chunkfs.cache import ChunkCache
-from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, Readahead, runs
+from hypermesh.chunkfs.fetch import (
+    PAGE,
+    ChunkReader,
+    FetchConfig,
+    FileReader,
+    Readahead,
+    push_pages,
+    runs,
+)
 from hypermesh.chunkfs.format import ChunkInfo, Entry, Extent, blocks_key, chunk_key
 from hypermesh.chunkfs.store import ObjectStore, S3Store
 
@@ -321,3 +329,58 @@ def test_real_store_reads_and_survives_a_server_restart(
         finally:
             s3_server.start()
         assert reader.read(info, 0, 5 * MiB) == chunk.data[: 5 * MiB]
+
+
+def test_read_cached_serves_verified_blocks_only_and_never_fetches(
+    fake: FakeStore, reader: ChunkReader
+) -> None:
+    chunk = Chunk(3 * MiB, 2)
+    info = put_chunk(fake, chunk)
+    assert reader.read_cached(info, MiB + 7, 100) is None  # nothing cached yet
+    assert fake.ranges == []  # ...and asking fetched nothing
+    reader.read(info, MiB, 10)  # brings block 1
+    wait_for(lambda: reader.cache.verified(info.id, 1), 10, "block 1 to be cached")
+    assert reader.read_cached(info, MiB + 7, 100) == chunk.data[MiB + 7 : MiB + 107]
+    assert reader.read_cached(info, MiB + 7, MiB) is None  # spills into block 2: not cached
+    assert len(fake.ranges) == 1
+
+
+def _pushed(file: bytes, delta: int, lo: int, hi: int, first: int, chunk: bytes) -> list[int]:
+    """Run ``push_pages`` over the blocks of ``chunk`` from ``first``; check every push
+    against ``file`` (whole pages, at most a block each) and return their offsets."""
+    mib = 1 << 20
+    blocks = [memoryview(chunk)[i : i + mib] for i in range(first * mib, len(chunk), mib)]
+    got: list[tuple[int, bytes]] = []
+    push_pages(lambda off, data: got.append((off, bytes(data))), len(file), delta, lo, hi,
+               None, first, blocks)  # type: ignore[arg-type]
+    for off, data in got:
+        assert off % PAGE == 0 and 0 < len(data) <= mib
+        assert len(data) % PAGE == 0 or off + len(data) == len(file)
+        assert data == file[off : off + len(data)]
+    return [off for off, _ in got]
+
+
+def test_push_pages_skips_the_runs_first_block_and_shares_aligned_blocks() -> None:
+    mib = 1 << 20
+    chunk = bytes(range(256)) * (4 * mib // 256) + b"tail" * 25  # 4 MiB + 100 bytes
+    offsets = _pushed(chunk, 0, 0, len(chunk), 0, chunk)
+    assert offsets == [1 * mib, 2 * mib, 3 * mib, 4 * mib]  # block 0 left to the kernel
+
+
+def test_push_pages_of_a_file_that_starts_mid_page_pushes_whole_pages_only() -> None:
+    mib = 1 << 20
+    head = 5000  # another file's bytes before this one in the chunk
+    chunk = bytes(head) + bytes((i * 7) % 251 for i in range(3 * mib))
+    file = chunk[head:]
+    offsets = _pushed(file, -head, head, len(chunk), 0, chunk)
+    first_page = -(-(mib - head) // PAGE) * PAGE
+    assert offsets[0] == first_page  # the page that straddles blocks 0 and 1 is not pushed
+    assert offsets == list(range(first_page, len(file), mib))
+    # a file that ends mid-chunk: the last partial page is not pushed either
+    offsets = _pushed(file[: 2 * mib + 10], -head, head, head + 2 * mib + 10, 0, chunk)
+    assert offsets and offsets[-1] < 2 * mib
+
+
+def test_push_pages_pushes_nothing_for_a_one_block_run() -> None:
+    chunk = bytes(1 << 20)
+    assert _pushed(chunk, 0, 0, len(chunk), 0, chunk) == []
