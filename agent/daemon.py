@@ -27,9 +27,11 @@ from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
+from hypermesh.agent.health import Health
+from hypermesh.agent.metrics import MetricsServer
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
-from hypermesh.agent.telemetry import detect_machine
+from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
 
 from hypermesh._proto import agent_pb2_grpc
 from hypermesh.config import AgentConfig
@@ -101,6 +103,10 @@ class Agent:
         self._leader_dirty = True
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: grpc.aio.Server | None = None
+        self.telemetry = Telemetry(self.work_dir, cfg.telemetry_period, cfg.telemetry_history)
+        self.health: Health | None = None
+        self.metrics: MetricsServer | None = None
+        self.metrics_address = ""
 
     # ------------------------------------------------------------------ identity
     def record(self) -> NodeRecord:
@@ -118,6 +124,7 @@ class Agent:
             state=self.state,
             started_at=self.started_at,
             lease=self.lease,
+            metrics=self.metrics_address,
         )
 
     def decide(self, message: str) -> None:
@@ -138,13 +145,20 @@ class Agent:
         await self.etcd.connect()
         self._server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
+        self.health = Health(self._server)
         host = self.cfg.listen.rpartition(":")[0]
         port = self._server.add_insecure_port(self.cfg.listen)
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
+        await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
+        if self.cfg.metrics_listen is not None:
+            self.metrics = MetricsServer(self)
+            self.metrics_address = await self.metrics.start(self.cfg.metrics_listen)
+            (self.work_dir / "agent.metrics").write_text(self.metrics_address + "\n")
         await self._register()
+        self._health_changed()
         (self.work_dir / "agent.address").write_text(self.address + "\n")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +179,7 @@ class Agent:
             asyncio.create_task(self._campaign(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
             asyncio.create_task(self._run_burst(), name="burst"),
+            asyncio.create_task(self.telemetry.run(self._task_roots), name="telemetry"),
         ]
         if self.cfg.spot:
             self._tasks.append(
@@ -188,7 +203,10 @@ class Agent:
             for lease in (self.election_lease, self.lease):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
+            if self.metrics is not None:
+                await self.metrics.close()
             await self._server.stop(grace=1.0)
+            self.telemetry.close()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
@@ -218,6 +236,19 @@ class Agent:
         self.last_renewal = time.monotonic()
         await self.etcd.put(self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease)
 
+    def _health_changed(self) -> None:
+        if self.health is not None:
+            self.health.refresh(self.state, self.lease_is_lost)
+
+    def _task_roots(self) -> list[TaskRoot]:
+        """The first process of each running attempt, for telemetry."""
+        roots = []
+        for ref, r in self.running.items():
+            pid = r.process.pid if r.process is not None else None
+            if pid is not None:
+                roots.append(TaskRoot(ref.id, r.plan.attempt, pid))
+        return roots
+
     @property
     def lease_is_lost(self) -> bool:
         return self._lease_lost.is_set()
@@ -242,7 +273,9 @@ class Agent:
             finally:
                 keeper.cancel()
             self._wake.set()
+            self._health_changed()
             await self._handle_lease_lost()
+            self._health_changed()
 
     async def _campaign(self) -> None:
         """Stand for leader on a short lease of its own, and again whenever it lapses."""
@@ -530,6 +563,7 @@ class Agent:
 
     async def _drain(self) -> None:
         self.state = "draining"
+        self._health_changed()
         with contextlib.suppress(Exception):
             await self.gossip.leave()
         with contextlib.suppress(EtcdUnavailable):

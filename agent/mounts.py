@@ -78,6 +78,15 @@ class Mounts:
         log.info("mounting data set %s at %s", spec, mountpoint)
         return mount.start()
 
+    def mounted(self) -> dict[str, Path]:
+        """Mount points of the data sets mounted now, by spec (not those starting
+        or failed)."""
+        return {
+            spec: task.result().mountpoint
+            for spec, task in self._mounts.items()
+            if task.done() and not task.cancelled() and task.exception() is None
+        }
+
     @staticmethod
     def checkpoint_dir(mountpoint: Path, task_id: str) -> Path:
         """Where a task keeps its checkpoints: ``.out/checkpoints/<task id>`` in the

@@ -54,6 +54,12 @@ class AttemptProcess:
         self._stopped = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The running command's process id (it leads its own process group), if one runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
     def stop(self, reason: str, grace: float | None = None) -> None:
         """Ask the attempt to end with ``reason`` (cancelled, preempted, node-lost)."""
         if self._stop_reason is None:

@@ -123,3 +123,9 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     ) -> agent_pb2.Members:
         gossip = self.agent.gossip
         return gossip.members() if gossip is not None else agent_pb2.Members()
+
+    async def GetTelemetry(
+        self, request: agent_pb2.GetTelemetryRequest, context: object
+    ) -> agent_pb2.Telemetry:
+        a = self.agent
+        return a.telemetry.message(a.cfg.name, max(0, request.history), a.metrics_address)

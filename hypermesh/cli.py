@@ -193,6 +193,19 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Most bytes the chunk cache of each mounted data set holds.",
 )
 @click.option(
+    "--metrics-listen",
+    default="127.0.0.1:0",
+    show_default=True,
+    metavar="HOST:PORT|off",
+    help="Where to serve Prometheus /metrics (port 0: a free one; 'off': nowhere).",
+)
+@click.option(
+    "--telemetry-period",
+    type=float,
+    default=None,
+    help="Seconds between telemetry samples [default: 5].",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -219,6 +232,8 @@ def agent_start(
     spot_poll: float | None,
     store: str | None,
     cache_size: str,
+    metrics_listen: str,
+    telemetry_period: float | None,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -238,7 +253,10 @@ def agent_start(
         "labels": _parse_labels(labels),
         "store": store or os.environ.get("HYPERMESH_STORE") or None,
         "cache_size": cache_size,
+        "metrics_listen": None if metrics_listen == "off" else metrics_listen,
     }
+    if telemetry_period is not None:
+        overrides["telemetry_period"] = telemetry_period
     if name:
         overrides["name"] = name
     if lease_ttl is not None:
@@ -513,6 +531,7 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     if via and via not in view.nodes:
         raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
     gossip = await gossip_view(view.nodes[asked].address) if asked else {}
+    telemetry = await fetch_telemetry({n.name: n.address for n in view.nodes.values()})
     rows = [
         {
             "name": n.name,
@@ -533,6 +552,8 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
             "load": gossip.get(n.name, {}).get("meta"),
             "cached_bytes": (gossip.get(n.name, {}).get("meta") or {}).get("cached_bytes"),
             "seen_by": asked if gossip else None,
+            "metrics": n.metrics or None,
+            "telemetry": (telemetry.get(n.name) or {}).get("latest"),
         }
         for n in sorted(view.nodes.values(), key=lambda n: n.name)
     ]
@@ -546,7 +567,7 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
                         "gpu_type": None, "cpus": None, "memory": None, "labels": {},
                         "leader": False, "gossip": g["state"], "incarnation": g["incarnation"],
                         "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
-                        "seen_by": asked,
+                        "seen_by": asked, "metrics": None, "telemetry": None,
                     }
                 )
     if as_json:
@@ -646,6 +667,11 @@ def mount(args: tuple[str, ...]) -> None:
     from hypermesh.chunkfs.mount import mount as mount_command
 
     mount_command.main(args=list(args), prog_name="hypermesh mount")
+
+
+from hypermesh.cli_top import fetch_telemetry, top  # noqa: E402  (it uses the helpers above)
+
+main.add_command(top)
 
 if __name__ == "__main__":
     main()

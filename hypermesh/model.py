@@ -50,6 +50,8 @@ class NodeRecord:
     state: str = "alive"
     started_at: float = 0.0
     lease: int = 0
+    metrics: str = ""
+    """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -129,6 +129,8 @@ def main() -> None:
             add("read_amplification", stats["store_bytes"] / n)
             add("store_gets_per_GiB", stats["store_gets"] / (n / (1 << 30)))
             add("fuse_read_KiB", n / stats["file_reads"] / 1024)
+            add("fuse_reads_per_GiB", stats["file_reads"] / (n / (1 << 30)))
+            add("pushed_fraction", stats.get("pushed_bytes", 0) / n)
 
             cache = work / f"cache-small-{run}"
             mnt = work / f"mnt-small-{run}"

@@ -127,3 +127,91 @@ class Members(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[Member]
     local_health: int
     def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., local_health: _Optional[int] = ...) -> None: ...
+
+class GetTelemetryRequest(_message.Message):
+    __slots__ = ("history",)
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    history: int
+    def __init__(self, history: _Optional[int] = ...) -> None: ...
+
+class GpuSample(_message.Message):
+    __slots__ = ("index", "name", "utilization_percent", "memory_used_bytes", "memory_total_bytes", "temperature_c")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    utilization_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    temperature_c: float
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., temperature_c: _Optional[float] = ...) -> None: ...
+
+class NodeSample(_message.Message):
+    __slots__ = ("time", "cpu_percent", "load1", "memory_used_bytes", "memory_total_bytes", "disk_used_bytes", "disk_total_bytes", "disk_read_bytes_per_s", "disk_write_bytes_per_s", "net_recv_bytes_per_s", "net_sent_bytes_per_s", "agent_cpu_percent", "agent_rss_bytes", "gpus")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    LOAD1_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NET_RECV_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    NET_SENT_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    cpu_percent: float
+    load1: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    disk_used_bytes: int
+    disk_total_bytes: int
+    disk_read_bytes_per_s: float
+    disk_write_bytes_per_s: float
+    net_recv_bytes_per_s: float
+    net_sent_bytes_per_s: float
+    agent_cpu_percent: float
+    agent_rss_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuSample]
+    def __init__(self, time: _Optional[float] = ..., cpu_percent: _Optional[float] = ..., load1: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., disk_used_bytes: _Optional[int] = ..., disk_total_bytes: _Optional[int] = ..., disk_read_bytes_per_s: _Optional[float] = ..., disk_write_bytes_per_s: _Optional[float] = ..., net_recv_bytes_per_s: _Optional[float] = ..., net_sent_bytes_per_s: _Optional[float] = ..., agent_cpu_percent: _Optional[float] = ..., agent_rss_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ...) -> None: ...
+
+class TaskUsage(_message.Message):
+    __slots__ = ("task_id", "attempt", "processes", "cpu_percent", "rss_bytes", "gpu_memory_bytes")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    attempt: int
+    processes: int
+    cpu_percent: float
+    rss_bytes: int
+    gpu_memory_bytes: int
+    def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., processes: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class Telemetry(_message.Message):
+    __slots__ = ("node", "period_s", "nvml", "latest", "history", "tasks", "metrics_address")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_S_FIELD_NUMBER: _ClassVar[int]
+    NVML_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    period_s: float
+    nvml: bool
+    latest: NodeSample
+    history: _containers.RepeatedCompositeFieldContainer[NodeSample]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskUsage]
+    metrics_address: str
+    def __init__(self, node: _Optional[str] = ..., period_s: _Optional[float] = ..., nvml: _Optional[bool] = ..., latest: _Optional[_Union[NodeSample, _Mapping]] = ..., history: _Optional[_Iterable[_Union[NodeSample, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ...) -> None: ...

@@ -65,6 +65,11 @@ class AgentStub:
                 request_serializer=agent__pb2.GetMembersRequest.SerializeToString,
                 response_deserializer=agent__pb2.Members.FromString,
                 _registered_method=True)
+        self.GetTelemetry = channel.unary_unary(
+                '/hypermesh.v1.Agent/GetTelemetry',
+                request_serializer=agent__pb2.GetTelemetryRequest.SerializeToString,
+                response_deserializer=agent__pb2.Telemetry.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -119,6 +124,14 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTelemetry(self, request, context):
+        """The node's telemetry: the latest sample of CPU, memory, disk, network and
+        GPUs, a bounded history of samples, and what each running attempt uses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +164,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.GetMembers,
                     request_deserializer=agent__pb2.GetMembersRequest.FromString,
                     response_serializer=agent__pb2.Members.SerializeToString,
+            ),
+            'GetTelemetry': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTelemetry,
+                    request_deserializer=agent__pb2.GetTelemetryRequest.FromString,
+                    response_serializer=agent__pb2.Telemetry.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +333,33 @@ class Agent:
             '/hypermesh.v1.Agent/GetMembers',
             agent__pb2.GetMembersRequest.SerializeToString,
             agent__pb2.Members.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTelemetry(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypermesh.v1.Agent/GetTelemetry',
+            agent__pb2.GetTelemetryRequest.SerializeToString,
+            agent__pb2.Telemetry.FromString,
             options,
             channel_credentials,
             insecure,
