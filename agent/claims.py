@@ -3,8 +3,9 @@
 Order: oldest workflow first, experiments in dependency order, tasks by index,
 so work drains in the order it was submitted. A task is a candidate when it has
 no claim and no result, its workflow is live, its hardware fits this node, the
-node has a free slot (and enough free GPUs), its experiment was not cancelled,
-and its experiment's ``workers`` cap (the recipe's, or one changed live with
+node has a free slot (and enough free GPUs), the node's pool is one the
+experiment allows (``pools``), its experiment was not cancelled, and its
+experiment's ``workers`` cap (the recipe's, or one changed live with
 ``hypermesh scale``) has a free slot key and room above the tasks running now.
 """
 
@@ -77,7 +78,7 @@ def choose_claims(
             if not open_indices:
                 continue
             exp = wf.recipe.experiment(name)
-            if not fits(exp.hardware, node):
+            if not fits(exp.hardware, node) or (exp.pools and node.pool not in exp.pools):
                 continue
             workers = view.workers(wf.id, exp)
             free_slots: list[int] = []

@@ -25,6 +25,8 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.attempt_logs import LogShipper
+from hypermesh.agent.burst import BurstDuty
+from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
@@ -100,6 +102,8 @@ class Agent:
         self.gossip = Gossip(self, GossipConfig.lan())
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
+        burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
+        self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -197,6 +201,7 @@ class Agent:
             asyncio.create_task(self._schedule(), name="schedule"),
             asyncio.create_task(self._campaign(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
+            asyncio.create_task(self._run_burst(), name="burst"),
             asyncio.create_task(self.telemetry.run(self._task_roots), name="telemetry"),
         ]
         if self.cfg.spot:
@@ -385,6 +390,10 @@ class Agent:
     async def _run_gossip(self) -> None:
         await self._mirror_ready.wait()  # seeds come from the etcd registry
         await self.gossip.run()
+
+    async def _run_burst(self) -> None:
+        await self._mirror_ready.wait()
+        await self.burst.run()
 
     async def _lead(self) -> None:
         for action in leader.plan(self.view):

@@ -345,6 +345,10 @@ async def submit(
         source=str(recipe),
     )
     async with mesh.connect() as etcd:
+        from hypermesh.cli_burst import unknown_pools
+
+        for warning in await unknown_pools(etcd, mesh.ks, parsed):
+            _err(f"warning: {warning}")
         await submit_workflow(etcd, mesh.ks, wf)
         _err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
         if not wait:
@@ -435,7 +439,10 @@ def _print_json(data: Any) -> None:
 @mesh_options
 @run_async
 async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -> None:
-    """Show a workflow's state per experiment (all workflows if none is named)."""
+    """Show a workflow's state per experiment and its cost so far (all workflows if none
+    is named)."""
+    from hypermesh.cli_burst import workflow_costs
+
     if watch:
         if not workflow:
             raise UsageError("status --watch needs a WORKFLOW")
@@ -445,12 +452,13 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
         sys.exit(0 if state == "succeeded" else 1)
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    ids = (
-        [workflow]
-        if workflow
-        else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
-    )
-    summaries = [view.workflow_summary(w) for w in ids]
+        ids = (
+            [workflow]
+            if workflow
+            else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+        )
+        costs = await workflow_costs(etcd, mesh.ks, ids)
+    summaries = [view.workflow_summary(w) | {"cost": costs[w]} for w in ids]
     if as_json:
         _print_json(summaries[0] if workflow else summaries)
         return
@@ -467,6 +475,9 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
                 f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
                 f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
             )
+        c = s["cost"]
+        click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
+                   f"(on-demand: {c['on_demand_cost']:.4f})")
 
 
 @main.command()
@@ -646,6 +657,8 @@ async def cancel(mesh: Mesh, workflow: str, experiment: str | None, as_json: boo
 
 
 main.add_command(data)
+# `pool` and `events` register themselves on `main`; they use the helpers above.
+import hypermesh.cli_burst  # noqa: E402, F401
 
 
 @main.command(

@@ -21,6 +21,12 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
   ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
   ``extend``, each guarded by the key's and the workflow state's revisions.
+- ``pool/<name>``: a pool's declaration (``hypermesh/pools.py``); by ``pool set``.
+- ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
+  provider id, when); by the leader, deleted when the node is released or lost.
+- ``event/<ns time>-<node>``: one burst decision; by the leader, the last N kept.
+- ``usage/<pool>``: node-seconds of a pool, spot and on-demand; by the leader.
+- ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
 """
 
 from __future__ import annotations
@@ -121,6 +127,22 @@ class Keyspace:
 
     def slot(self, wid: str, experiment: str, k: int) -> str:
         return f"{self.root}slot/{wid}/{experiment}/{k}"
+
+    # -- bursting: pools, provisioned nodes, decisions, usage
+    def pool(self, name: str) -> str:
+        return f"{self.root}pool/{name}"
+
+    def instance(self, node: str) -> str:
+        return f"{self.root}inst/{node}"
+
+    def event(self, at_ns: int, node: str) -> str:
+        return f"{self.root}event/{at_ns:020d}-{node}"
+
+    def usage(self, pool: str) -> str:
+        return f"{self.root}usage/{pool}"
+
+    def workflow_usage(self, wid: str) -> str:
+        return f"{self.root}wfusage/{wid}"
 
     def kind_prefix(self, kind: str, wid: str | None = None) -> str:
         """Prefix of all keys of one kind (``task``, ``claim``...), optionally of one workflow."""

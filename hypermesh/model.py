@@ -203,6 +203,13 @@ class ExperimentSummary:
         }
 
 
+def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
 class MeshView:
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
@@ -230,6 +237,12 @@ class MeshView:
         # Known tasks per (workflow, experiment) by raw state: open, running, or
         # their result's state. Kept incrementally so summaries cost O(1).
         self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        # Bursting (raw JSON and mod revision, read by agent/burst.py and the CLI):
+        # pool declarations, provisioned nodes, node-seconds per pool and workflow.
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+        self.usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -294,6 +307,18 @@ class MeshView:
             self.expanded.pop((parts[0], parts[1]), None)
         else:
             self.expanded[(parts[0], parts[1])] = int(data["count"])
+
+    def _apply_pool(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.pools, parts[0], data)
+
+    def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.instances, parts[0], data)
+
+    def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
+
+    def _apply_wfusage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.workflow_usage, parts[0], None if data is None else (data, mrev))
 
     def _ref(self, parts: list[str]) -> TaskRef:
         return TaskRef(parts[0], parts[1], int(parts[2]))

@@ -122,6 +122,8 @@ class Experiment:
     overlaid with the experiment's own. ``samples`` is set whenever a range parameter exists.
     ``data`` maps an alias (an identifier) to a data set, ``NAME`` (its newest version when
     the task starts) or ``NAME@VERSION``; the agent mounts each and tells the task where.
+    ``pools``, when not empty, are the only pools whose nodes run the tasks, in order of
+    preference (the leader scales the first provisioned pool with room first).
     """
 
     name: str
@@ -138,9 +140,11 @@ class Experiment:
     image: str | None = None
     seed: int | None = None
     data: Mapping[str, str] = field(default_factory=FrozenMap)
+    pools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "parameters", tuple(self.parameters))
         object.__setattr__(self, "after", tuple(self.after))
         object.__setattr__(self, "env", FrozenMap(self.env))
@@ -244,7 +248,7 @@ _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
-    "timeout", "framework", "image", "seed", "data",
+    "timeout", "framework", "image", "seed", "data", "pools",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory")
@@ -337,13 +341,14 @@ class _Checker(_NodeChecker):
         image = optional("image", self.string)
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
+        pools = optional("pools", self.pools) or ()
         if len(self.problems) > before or command is None:
             return None
         return Experiment(
             name=name, command=command, parameters=tuple(parameters), samples=samples,
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
-            seed=seed, data=data,
+            seed=seed, data=data, pools=pools,
         )
 
     # ------------------------------------------------------------------ data sets
@@ -371,6 +376,27 @@ class _Checker(_NodeChecker):
                 continue
             result[alias] = spec
         return result
+
+    # ------------------------------------------------------------------ pools
+    def pools(self, node: _Node, path: str) -> tuple[str, ...] | None:
+        items = node.value if isinstance(node.value, list) else [node]
+        if not items:
+            self.at(node, path, "expected one pool name or a list of them, got an empty list")
+            return None
+        names: list[str] = []
+        for i, item in enumerate(items):
+            where = f"{path}[{i}]" if isinstance(node.value, list) else path
+            name = self.string(item, where)
+            if name is None:
+                continue
+            if not _EXPERIMENT_NAME.fullmatch(name):
+                self.at(item, where, f"{name!r} is not a pool name (1-63 letters, digits, "
+                        "'_' or '-', starting with a letter or digit)")
+            elif name in names:
+                self.at(item, where, f"pool {name!r} is listed twice")
+            else:
+                names.append(name)
+        return tuple(names) if len(names) == len(items) else None
 
     # ------------------------------------------------------------------ command
     def command(
