@@ -3,8 +3,10 @@
 Order: oldest workflow first, experiments in dependency order, tasks by index,
 so work drains in the order it was submitted. A task is a candidate when it has
 no claim and no result, its workflow is live, its hardware fits this node, the
-node has a free slot (and enough free GPUs), and its experiment's ``workers``
-cap has a free slot key.
+node has a free slot (and enough free GPUs), the node's pool is one the
+experiment allows (``pools``), its experiment was not cancelled, and its
+experiment's ``workers`` cap (the recipe's, or one changed live with
+``hypermesh scale``) has a free slot key and room above the tasks running now.
 """
 
 from __future__ import annotations
@@ -76,23 +78,28 @@ def choose_claims(
         if view.workflow_state(wf.id) in TERMINAL:
             continue
         for name in wf.recipe.topological_order():
-            if (wf.id, name) not in view.expanded:
+            if (wf.id, name) not in view.expanded or view.experiment_cancelled(wf.id, name):
                 continue
             open_indices = view.open.get((wf.id, name))
             if not open_indices:
                 continue
             exp = wf.recipe.experiment(name)
-            if not fits(exp.hardware, node):
+            if not fits(exp.hardware, node) or (exp.pools and node.pool not in exp.pools):
                 continue
+            workers = view.workers(wf.id, exp)
             free_slots: list[int] = []
-            if exp.workers is not None:
+            if workers is not None:
                 taken = view.slots.get((wf.id, name), set())
                 held = {k for (w, e, k) in load.slots_held if (w, e) == (wf.id, name)}
-                free_slots = [k for k in range(exp.workers) if k not in taken and k not in held]
+                free_slots = [k for k in range(workers) if k not in taken and k not in held]
+                # A cap lowered (or set) live: tasks still running on slots above it,
+                # or on no slot, count too, so the mesh converges to the new cap.
+                running = max(len(taken | held), view.counts[(wf.id, name)]["running"])
+                free_slots = free_slots[: max(0, workers - running)]
                 if not free_slots:
                     continue
             want = limit - len(plans)
-            if exp.workers is not None:
+            if workers is not None:
                 want = min(want, len(free_slots))
             window = heapq.nsmallest(want * spread + len(load.running), open_indices)
             if rng is not None and spread > 1:
@@ -110,9 +117,9 @@ def choose_claims(
                 attempts = view.attempts.get(ref, {})
                 last = attempts[max(attempts)] if attempts else None
                 lost = last if last is not None and last.state == "running" else None
-                slot = free_slots.pop(0) if exp.workers is not None else None
+                slot = free_slots.pop(0) if workers is not None else None
                 plans.append(ClaimPlan(ref, (last.attempt if last else 0) + 1, slot, lost))
-                if len(plans) >= limit or (exp.workers is not None and not free_slots):
+                if len(plans) >= limit or (workers is not None and not free_slots):
                     break
             if len(plans) >= limit:
                 return plans

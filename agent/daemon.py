@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,9 @@ from typing import Any
 
 import grpc
 from hypermesh.agent import leader, spot
+from hypermesh.agent.attempt_logs import LogShipper
+from hypermesh.agent.burst import BurstDuty
+from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.containers import Containers, image_for
 from hypermesh.agent.gossip import Gossip
@@ -41,7 +46,7 @@ from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.model import COUNTED_REASONS, Attempt, MeshView, NodeRecord, dumps
-from hypermesh.sampling import expand, experiment_seed
+from hypermesh.sampling import expand, expand_more, experiment_seed
 from hypermesh.search import is_adaptive
 from hypermesh.templating import param_env, render
 from hypermesh.txns import (
@@ -57,6 +62,16 @@ from hypermesh.txns import (
 log = logging.getLogger("hypermesh.agent")
 
 STOP_STEP_S = 5.0  # longest wait for each step of stopping
+
+
+def bind_dashboard(listen: str) -> socket.socket:
+    """The web dashboard's listening socket on ``listen`` (HOST:PORT, port 0: any
+    free one), bound at once so that a taken port fails the start with OSError."""
+    host, _, port = listen.rpartition(":")
+    try:
+        return socket.create_server((host, int(port)), backlog=64)
+    except OSError as exc:
+        raise OSError(f"cannot serve the dashboard on {listen} (--http-listen): {exc}") from exc
 
 
 @dataclass
@@ -99,9 +114,15 @@ class Agent:
         self.gossip = Gossip(self, GossipConfig.lan())
         self.containers = Containers()
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
+        self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
+        burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
+        self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
+        self.http_address = ""
+        self._dashboard: Any = None  # the web dashboard's aiohttp runner, once serving
+        self._dashboard_start: asyncio.Task[None] | None = None
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
@@ -134,6 +155,7 @@ class Agent:
             started_at=self.started_at,
             lease=self.lease,
             metrics=self.metrics_address,
+            http_address=self.http_address,
         )
 
     def decide(self, message: str) -> None:
@@ -166,6 +188,11 @@ class Agent:
             self.metrics = MetricsServer(self)
             self.metrics_address = await self.metrics.start(self.cfg.metrics_listen)
             (self.work_dir / "agent.metrics").write_text(self.metrics_address + "\n")
+        dashboard_socket = None
+        if self.cfg.http_listen is not None:
+            dashboard_socket = bind_dashboard(self.cfg.http_listen)
+            host, port = dashboard_socket.getsockname()[:2]
+            self.http_address = f"{host}:{port}"
         await self._register()
         self._health_changed()
         (self.work_dir / "agent.address").write_text(self.address + "\n")
@@ -187,6 +214,7 @@ class Agent:
             asyncio.create_task(self._schedule(), name="schedule"),
             asyncio.create_task(self._campaign(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
+            asyncio.create_task(self._run_burst(), name="burst"),
             asyncio.create_task(self.telemetry.run(self._task_roots), name="telemetry"),
         ]
         if self.cfg.spot:
@@ -198,6 +226,8 @@ class Agent:
             )
         for t in self._tasks:
             t.add_done_callback(self._task_died)
+        if dashboard_socket is not None:
+            self._dashboard_start = asyncio.create_task(self._serve_dashboard(dashboard_socket))
         self.decide(f"started at {self.address} with lease {self.lease:x}")
         try:
             await self._stop.wait()
@@ -215,11 +245,31 @@ class Agent:
                 await self.metrics.close()
             await self._server.stop(grace=1.0)
             self.telemetry.close()
+            if self._dashboard_start is not None:
+                self._dashboard_start.cancel()
+            if self._dashboard is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._dashboard.cleanup(), STOP_STEP_S)
+            await self.logs.flush(STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.etcd.close(), STOP_STEP_S)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.mounts.close(), 4 * STOP_STEP_S)
             self.decide("stopped")
+
+    async def _serve_dashboard(self, sock: socket.socket) -> None:
+        """Serve the web dashboard on its bound socket. Its modules (aiohttp) load in
+        a thread after the agent has registered, so they never delay its start;
+        connections wait in the socket's backlog meanwhile."""
+        try:
+            module = await asyncio.to_thread(importlib.import_module, "hypermesh.agent.dashboard")
+            self._dashboard = await module.serve(self, sock)
+        except Exception:
+            log.exception("%s: the web dashboard failed to start", self.cfg.name)
+            sock.close()
+            return
+        (self.work_dir / "http.address").write_text(self.http_address + "\n")
+        self.decide(f"dashboard at http://{self.http_address}/")
 
     def _task_died(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or self._stop.is_set():
@@ -354,22 +404,43 @@ class Agent:
         await self._mirror_ready.wait()  # seeds come from the etcd registry
         await self.gossip.run()
 
+    async def _run_burst(self) -> None:
+        await self._mirror_ready.wait()
+        await self.burst.run()
+
     async def _lead(self) -> None:
         for action in leader.plan(self.view):
-            if isinstance(action, leader.Expand):
+            if isinstance(action, leader.Expand | leader.Extend):
                 wf = self.view.workflows[action.workflow]
                 exp = wf.recipe.experiment(action.experiment)
-                params = expand(exp, experiment_seed(wf.seed, exp))
+                seed = experiment_seed(wf.seed, exp)
+                start = action.start if isinstance(action, leader.Extend) else 0
                 count = None
-                if is_adaptive(exp):  # trials are created one by one (leader.Suggest)
-                    params, count = [], exp.samples
-                if await expand_experiment(self.etcd, self.ks, wf.id, exp.name, params, count):
-                    self.decide(f"expanded {wf.id}/{exp.name} into {count or len(params)} tasks")
+                if is_adaptive(exp):  # only the budget: trials come one by one (Suggest)
+                    params: list[dict[str, Any]] = []
+                    count = start + (action.count if isinstance(action, leader.Extend)
+                                     else self.view.target_count(wf.id, exp))
+                elif isinstance(action, leader.Extend):
+                    params = expand_more(exp, seed, action.start, action.count)
+                else:
+                    params = expand(exp, seed)
+                if await expand_experiment(
+                    self.etcd, self.ks, wf.id, exp.name, params, action.state_revision, start,
+                    count,
+                ):
+                    what = "extended" if start else "expanded"
+                    added = len(params) if count is None else count - start
+                    self.decide(f"{what} {wf.id}/{exp.name} by {added} tasks")
             elif isinstance(action, leader.Suggest):
                 await self._suggest(action)
             else:
                 if await set_workflow_state(
-                    self.etcd, self.ks, action.workflow, action.expected, action.state
+                    self.etcd,
+                    self.ks,
+                    action.workflow,
+                    action.expected,
+                    action.state,
+                    action.state_revision,
                 ):
                     self.decide(f"workflow {action.workflow} is {action.state}")
 
@@ -382,14 +453,17 @@ class Agent:
         for index in action.indices:
             params = await asyncio.to_thread(search.suggest, exp, seed, index, trials)
             ref = TaskRef(wf.id, exp.name, index)
-            if not await add_task(self.etcd, self.ks, ref, params):
+            if not await add_task(self.etcd, self.ks, ref, params, action.state_revision):
                 return  # another leader got there first; the watch brings its tasks
             trials.append(search.Trial(index, params, "running"))
             self.decide(f"suggested {ref}: {params}")
 
     def _stop_cancelled(self) -> None:
         for ref, r in self.running.items():
-            if r.process is not None and self.view.workflow_state(ref.workflow) == "cancelled":
+            if r.process is not None and (
+                self.view.workflow_state(ref.workflow) == "cancelled"
+                or self.view.experiment_cancelled(ref.workflow, ref.experiment)
+            ):
                 r.process.stop("cancelled")
 
     def _load(self) -> LocalLoad:
@@ -502,6 +576,7 @@ class Agent:
                 log_path.write_text(f"hypermesh: cannot mount the task's data: {exc}\n")
                 outcome = Outcome("failed", None, "data", time.time())
                 await self._finish(r, exp.retries, started, outcome)
+                self.logs.after_end(ref, n, log_path)
                 return
             log_path = self.attempt_dir(ref, n) / "output.log"
             image = image_for(exp.framework, exp.image)
@@ -521,17 +596,21 @@ class Agent:
             )
             if self._stop.is_set():
                 r.process.stop("preempted", grace=self.drain_grace)
+            copier = self.logs.while_running(ref, n, log_path)
             watch = attempt_watch(self, r, exp, log_path)
             follower = asyncio.create_task(watch.follow(lambda: process.stop("pruned")))
             try:
                 outcome = await r.process.run()
             finally:
                 follower.cancel()
+                if copier is not None:
+                    copier.cancel()
             try:
                 await watch.finish()
             except Exception as exc:  # the claim is gone or etcd is away: the result decides
                 self.decide(f"{ref} attempt {n}: metrics not stored: {exc}")
             await self._finish(r, exp.retries, started, outcome)
+            self.logs.after_end(ref, n, log_path)
         except Exception:
             log.exception("%s: attempt %s/%d crashed", self.cfg.name, ref, n)
             await self._finish(r, 0, started, Outcome("failed", None, "exit", time.time()))

@@ -45,7 +45,7 @@ from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, block_digest, chun
 log = logging.getLogger(__name__)
 
 MAGIC = b"CFC1"
-_HEADER = struct.Struct(">4sQ")
+HAVE_HEADER = struct.Struct(">4sQ")
 ABSENT, CLAIMED, VERIFIED = 0, 1, 2
 #: Seconds between writes of changed ``.have`` records (they are only hints: a lost
 #: record loses cached blocks, never correctness).
@@ -322,7 +322,7 @@ class ChunkCache:
         for cid, size, state in dirty:
             have = bytes(1 if s else 0 for s in state)
             try:
-                _write_atomic(self._path(cid, "have"), _HEADER.pack(MAGIC, size) + have)
+                _write_atomic(self._path(cid, "have"), HAVE_HEADER.pack(MAGIC, size) + have)
             except FileNotFoundError:
                 pass  # evicted meanwhile
             except OSError as exc:
@@ -425,8 +425,8 @@ class ChunkCache:
         try:
             block_list = blocks_path.read_bytes()
             have = have_path.read_bytes()
-            magic, size = _HEADER.unpack_from(have)
-            state = bytearray(have[_HEADER.size :])
+            magic, size = HAVE_HEADER.unpack_from(have)
+            state = bytearray(have[HAVE_HEADER.size :])
             good = (
                 magic == MAGIC
                 and chunk_id(block_list) == cid

@@ -207,6 +207,13 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Seconds between telemetry samples [default: 5].",
 )
 @click.option(
+    "--http-listen",
+    default=None,
+    metavar="HOST:PORT|off",
+    help="Web dashboard address; port 0 picks a free one "
+    "[lan: 127.0.0.1:7071, local: 127.0.0.1:0].",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -235,6 +242,7 @@ def agent_start(
     cache_size: str,
     metrics_listen: str,
     telemetry_period: float | None,
+    http_listen: str | None,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -270,6 +278,8 @@ def agent_start(
         overrides["spot_notice_url"] = spot_notice_url
     if spot_poll is not None:
         overrides["spot_poll"] = spot_poll
+    if http_listen is not None:
+        overrides["http_listen"] = None if http_listen == "off" else http_listen
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger().setLevel(logging.INFO)
     try:
@@ -336,6 +346,10 @@ async def submit(
         source=str(recipe),
     )
     async with mesh.connect() as etcd:
+        from hypermesh.cli_burst import unknown_pools
+
+        for warning in await unknown_pools(etcd, mesh.ks, parsed):
+            _err(f"warning: {warning}")
         await submit_workflow(etcd, mesh.ks, wf)
         _err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
         if not wait:
@@ -346,8 +360,9 @@ async def submit(
     sys.exit(0 if state == "succeeded" else 1)
 
 
-async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
-    """Show a workflow's progress on stderr until it ends; return its final state."""
+async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> str:
+    """Show a workflow's progress until it ends; return its final state. On stderr
+    (bars or lines), or with ``as_json`` as one status object per change on stdout."""
     from hypermesh.progress import ProgressDisplay
 
     view = MeshView(ks)
@@ -358,10 +373,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
 
     # Only the keys that progress depends on: not attempts, slots or other workflows.
     prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
-        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result")
+        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result", "expctl")
     ]
     mirrors = [asyncio.create_task(etcd.mirror(p, view.apply, on_batch)) for p in prefixes]
-    display = ProgressDisplay(wid)
+    display = None if as_json else ProgressDisplay(wid)
+    last: dict[str, Any] | None = None
     try:
         while True:
             await changed.wait()
@@ -369,15 +385,21 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str) -> str:
             if wid not in view.workflows:
                 continue
             summary = view.workflow_summary(wid)
-            display.update(summary)
+            if display is not None:
+                display.update(summary)
+            elif summary != last:
+                click.echo(json.dumps(summary, separators=(",", ":")))
+                last = summary
             if summary["state"] in TERMINAL:
-                display.close(summary)
+                if display is not None:
+                    display.close(summary)
                 return str(summary["state"])
             await asyncio.sleep(0.1)
     finally:
         for mirror in mirrors:
             mirror.cancel()
-        display.close(None)
+        if display is not None:
+            display.close(None)
 
 
 # ---------------------------------------------------------------------- reading
@@ -409,18 +431,35 @@ def _print_json(data: Any) -> None:
 @main.command()
 @click.argument("workflow", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Live progress until the workflow ends (with --json: one object per change); "
+    "exit 0 if it succeeded, else 1.",
+)
 @mesh_options
 @run_async
-async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
-    """Show a workflow's state per experiment (all workflows if none is named)."""
+async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -> None:
+    """Show a workflow's state per experiment and its cost so far (all workflows if none
+    is named)."""
+    from hypermesh.cli_burst import workflow_costs
+
+    if watch:
+        if not workflow:
+            raise UsageError("status --watch needs a WORKFLOW")
+        async with mesh.connect() as etcd:
+            await load_view(etcd, mesh.ks, workflow)  # NotFound for a wrong id
+            state = await _follow(etcd, mesh.ks, workflow, as_json)
+        sys.exit(0 if state == "succeeded" else 1)
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    ids = (
-        [workflow]
-        if workflow
-        else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
-    )
-    summaries = [view.workflow_summary(w) for w in ids]
+        ids = (
+            [workflow]
+            if workflow
+            else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+        )
+        costs = await workflow_costs(etcd, mesh.ks, ids)
+    summaries = [view.workflow_summary(w) | {"cost": costs[w]} for w in ids]
     add_best(view, summaries)
     if as_json:
         _print_json(summaries[0] if workflow else summaries)
@@ -439,6 +478,9 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool) -> None:
                 f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
             )
             print_best_line(name, e)
+        c = s["cost"]
+        click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
+                   f"(on-demand: {c['on_demand_cost']:.4f})")
 
 
 @main.command()
@@ -478,6 +520,7 @@ async def tasks(
 async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
     """The gossip member table as the agent at ``address`` sees it ({} if it does not answer)."""
     from hypermesh._proto import agent_pb2, agent_pb2_grpc
+    from hypermesh.node_rows import gossip_table
 
     async with grpc.aio.insecure_channel(address) as channel:
         try:
@@ -486,15 +529,7 @@ async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
             )
         except grpc.aio.AioRpcError:
             return {}
-    return {
-        m.name: {
-            "state": m.state,
-            "incarnation": m.incarnation,
-            "meta": json.loads(m.meta_json or "{}"),
-            "since": m.state_since,
-        }
-        for m in reply.members
-    }
+    return gossip_table(reply)
 
 
 @main.command()
@@ -511,6 +546,8 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
     Gossip columns (state, incarnation, load) are as one agent sees them: the
     leader, or the node named by --via.
     """
+    from hypermesh.node_rows import node_rows
+
     ks = mesh.ks
     view = MeshView(ks)
     async with mesh.connect() as etcd:
@@ -524,44 +561,10 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
         raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
     gossip = await gossip_view(view.nodes[asked].address) if asked else {}
     telemetry = await fetch_telemetry({n.name: n.address for n in view.nodes.values()})
-    rows = [
-        {
-            "name": n.name,
-            "address": n.address,
-            "state": n.state,
-            "pool": n.pool,
-            "spot": n.spot,
-            "slots": n.slots,
-            "running": len(view.running_on(n.name)),
-            "gpus": n.gpus,
-            "gpu_type": n.gpu_type,
-            "cpus": n.cpus,
-            "memory": n.memory,
-            "labels": n.labels,
-            "leader": n.name == leader,
-            "gossip": gossip.get(n.name, {}).get("state"),
-            "incarnation": gossip.get(n.name, {}).get("incarnation"),
-            "load": gossip.get(n.name, {}).get("meta"),
-            "cached_bytes": (gossip.get(n.name, {}).get("meta") or {}).get("cached_bytes"),
-            "seen_by": asked if gossip else None,
-            "metrics": n.metrics or None,
-            "telemetry": (telemetry.get(n.name) or {}).get("latest"),
-        }
-        for n in sorted(view.nodes.values(), key=lambda n: n.name)
-    ]
-    if show_all:
-        for name, g in sorted(gossip.items()):
-            if name not in view.nodes:
-                rows.append(
-                    {
-                        "name": name, "address": None, "state": "gone", "pool": None,
-                        "spot": None, "slots": None, "running": 0, "gpus": None,
-                        "gpu_type": None, "cpus": None, "memory": None, "labels": {},
-                        "leader": False, "gossip": g["state"], "incarnation": g["incarnation"],
-                        "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
-                        "seen_by": asked, "metrics": None, "telemetry": None,
-                    }
-                )
+    rows = node_rows(view, gossip, asked, show_all)
+    for row in rows:
+        sample = telemetry.get(row["name"]) if row["address"] else None
+        row["telemetry"] = (sample or {}).get("latest")
     if as_json:
         _print_json(rows)
         return
@@ -585,62 +588,75 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
 @click.argument("task_id")
 @click.option("--attempt", type=int, default=0, help="Attempt number [default: the latest].")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
+@click.option(
+    "--store",
+    default=None,
+    metavar="URL",
+    help="Object store holding copies of logs, read when the node is gone [env HYPERMESH_STORE].",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One {"task", "attempt", "text"} object (per chunk with --follow, one per line).',
+)
 @mesh_options
 @run_async
-async def logs(mesh: Mesh, task_id: str, attempt: int, follow: bool) -> None:
-    """Print a task attempt's output (stdout and stderr), fetched from its node."""
-    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+async def logs(
+    mesh: Mesh, task_id: str, attempt: int, follow: bool, store: str | None, as_json: bool
+) -> None:
+    """Print a task attempt's output (stdout and stderr), from its node or the stored copy."""
+    from hypermesh.agent.attempt_logs import locate_attempt, stream_log
 
     try:
         ref = TaskRef.parse(task_id)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
-    ks = mesh.ks
     async with mesh.connect() as etcd:
-        kvs, _ = await etcd.get_prefix(ks.kind_prefix("attempt") + ref.path + "/")
-        view = MeshView(ks)
-        for kv in kvs:
-            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
-        attempts = view.attempts.get(ref, {})
-        if not attempts:
-            raise NotFound(f"task {ref} has not run yet (no attempts)")
-        n = attempt or max(attempts)
-        if n not in attempts:
-            raise NotFound(f"task {ref} has no attempt {n} (attempts: {sorted(attempts)})")
-        node = attempts[n].node
-        found = await etcd.get(ks.node(node))
-    if found is None:
-        raise NotFound(
-            f"node {node}, which ran {ref} attempt {n}, is gone; its log was on its disk"
-        )
-    address = json.loads(found[0])["address"]
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = agent_pb2_grpc.AgentStub(channel)
-        request = agent_pb2.ReadLogsRequest(task_id=ref.id, attempt=n, follow=follow)
-        try:
-            async for chunk in stub.ReadLogs(request):
-                sys.stdout.buffer.write(chunk.data)
+        n = (await locate_attempt(etcd, mesh.ks, ref, attempt))[0]
+        chunks = stream_log(etcd, mesh.ks, ref, n, follow, store, lambda m: _err(f"note: {m}"))
+        if not as_json:
+            async for data in chunks:
+                sys.stdout.buffer.write(data)
                 sys.stdout.flush()
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(exc.details() or "no such log") from exc
-            raise HypermeshError(f"node {node} at {address}: {exc.details()}") from exc
+            return
+        text = []
+        async for data in chunks:
+            text.append(data.decode("utf-8", errors="replace"))
+            if follow:
+                click.echo(json.dumps({"task": ref.id, "attempt": n, "text": text.pop()}))
+        if not follow:
+            _print_json({"task": ref.id, "attempt": n, "text": "".join(text)})
 
 
 @main.command()
 @click.argument("workflow")
+@click.option(
+    "--experiment", default=None, help="Cancel only this experiment (and what comes after it)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
-async def cancel(mesh: Mesh, workflow: str) -> None:
+async def cancel(mesh: Mesh, workflow: str, experiment: str | None, as_json: bool) -> None:
     """Cancel a workflow: nothing new starts and running tasks are stopped."""
+    from hypermesh.live import cancel_experiment
     from hypermesh.txns import cancel_workflow
 
     async with mesh.connect() as etcd:
-        state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
-    if changed:
-        _err(f"{workflow} cancelled; running tasks are being stopped")
+        if experiment is None:
+            state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
+        else:
+            changed = await cancel_experiment(etcd, mesh.ks, workflow, experiment)
+            state = "cancelled"
+    what = f"{workflow} experiment {experiment}" if experiment else workflow
+    if as_json:
+        _print_json(
+            {"workflow": workflow, "experiment": experiment, "state": state, "changed": changed}
+        )
+    elif changed:
+        _err(f"{what} cancelled; running tasks are being stopped")
     else:
-        _err(f"{workflow} had already ended: {state}")
+        _err(f"{what} had already ended: {state}")
 
 
 @main.command()
@@ -662,6 +678,8 @@ async def best(
 
 
 main.add_command(data)
+# `pool` and `events` register themselves on `main`; they use the helpers above.
+import hypermesh.cli_burst  # noqa: E402, F401
 
 
 @main.command(
@@ -680,6 +698,10 @@ def mount(args: tuple[str, ...]) -> None:
 from hypermesh.cli_top import fetch_telemetry, top  # noqa: E402  (it uses the helpers above)
 
 main.add_command(top)
+from hypermesh.cli_ops import OPS_COMMANDS  # noqa: E402  (they use the helpers above)
+
+for _command in OPS_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -92,6 +92,16 @@ class AgentConfig:
     """How long a read from a mounted data set retries an unavailable store before
     it fails with EIO."""
 
+    log_upload_s: float = 10.0
+    """Seconds between copies of a running attempt's log to the object store (``store``;
+    0.5-3600). Each copy re-uploads the whole log (object stores do not append), only
+    if it grew, and only while attempts run; the final copy is made when the attempt
+    ends. Lower: less of a log is lost with a dead node. Higher: fewer PUTs."""
+
+    http_listen: str | None = "127.0.0.1:7071"
+    """HOST:PORT of the web dashboard (``--http-listen``; port 0 picks a free one,
+    None turns it off). Loopback by default: the dashboard has no authentication."""
+
     claim_batch: int = 32
     """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
     fewer round trips when many tasks are pending, but conflict more often when
@@ -124,6 +134,7 @@ class AgentConfig:
         _check_range("claim_batch", self.claim_batch, 1, 100)
         _check_range("--leader-ttl", self.leader_ttl, 2, 60)
         _check_range("--spot-poll", self.spot_poll, 0.1, 60)
+        _check_range("log_upload_s", self.log_upload_s, 0.5, 3600)
         try:
             parse_size(self.cache_size)
             parse_duration(self.data_deadline)
@@ -142,6 +153,8 @@ class AgentConfig:
         _check_address("--listen", self.listen)
         if self.metrics_listen is not None:
             _check_address("--metrics-listen", self.metrics_listen)
+        if self.http_listen is not None:
+            _check_address("--http-listen", self.http_listen)
 
     @classmethod
     def lan(cls, **overrides: object) -> AgentConfig:
@@ -155,6 +168,8 @@ class AgentConfig:
             "lease_ttl": 3,
             "kill_grace": 2.0,
             "spot_poll": 0.2,
+            "log_upload_s": 1.0,
+            "http_listen": "127.0.0.1:0",
             "preset": "local",
         }
         return cls(**(base | overrides))  # type: ignore[arg-type]

@@ -32,6 +32,10 @@ class NotFound(FatalError):
     """A named object (workflow, task, node) does not exist."""
 
 
+class StateConflict(FatalError):
+    """The object exists but its state forbids the change (a workflow that ended...)."""
+
+
 class EtcdUnavailable(TransientError):
     """No etcd endpoint answered in time."""
 

@@ -20,6 +20,15 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
 - ``metrics/<wid>/<exp>/<index>/<n>``: metrics attempt n reported (bounded, see
   ``hypermesh.task_metrics``); by the claiming node, fenced like the attempt record.
+- ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
+  ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
+  ``extend``, each guarded by the key's and the workflow state's revisions.
+- ``pool/<name>``: a pool's declaration (``hypermesh/pools.py``); by ``pool set``.
+- ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
+  provider id, when); by the leader, deleted when the node is released or lost.
+- ``event/<ns time>-<node>``: one burst decision; by the leader, the last N kept.
+- ``usage/<pool>``: node-seconds of a pool, spot and on-demand; by the leader.
+- ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
 """
 
 from __future__ import annotations
@@ -118,8 +127,27 @@ class Keyspace:
     def metrics(self, ref: TaskRef, n: int) -> str:
         return f"{self.root}metrics/{ref.path}/{n}"
 
+    def experiment_control(self, wid: str, experiment: str) -> str:
+        return f"{self.root}expctl/{wid}/{experiment}"
+
     def slot(self, wid: str, experiment: str, k: int) -> str:
         return f"{self.root}slot/{wid}/{experiment}/{k}"
+
+    # -- bursting: pools, provisioned nodes, decisions, usage
+    def pool(self, name: str) -> str:
+        return f"{self.root}pool/{name}"
+
+    def instance(self, node: str) -> str:
+        return f"{self.root}inst/{node}"
+
+    def event(self, at_ns: int, node: str) -> str:
+        return f"{self.root}event/{at_ns:020d}-{node}"
+
+    def usage(self, pool: str) -> str:
+        return f"{self.root}usage/{pool}"
+
+    def workflow_usage(self, wid: str) -> str:
+        return f"{self.root}wfusage/{wid}"
 
     def kind_prefix(self, kind: str, wid: str | None = None) -> str:
         """Prefix of all keys of one kind (``task``, ``claim``...), optionally of one workflow."""
@@ -127,7 +155,7 @@ class Keyspace:
 
     def workflow_prefixes(self, wid: str) -> list[str]:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
-        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "metrics")
+        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics")
         return [self.workflow(wid), self.workflow_state(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]

@@ -8,6 +8,7 @@ caller fails.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -230,6 +231,8 @@ class AgentProcess:
             name,
             "--listen",
             "127.0.0.1:0",
+            "--http-listen",  # several agents share this host: any free port
+            "127.0.0.1:0",
             "--work-dir",
             str(self.work_dir),
             "--slots",
@@ -246,15 +249,27 @@ class AgentProcess:
     def log_path(self) -> Path:
         return self.work_dir / "agent.log"
 
-    def start(self, timeout: float = 30.0) -> AgentProcess:
+    @property
+    def http_address(self) -> str:
+        """HOST:PORT of the agent's web dashboard; waits until it serves (it starts
+        just after the agent does)."""
+        path = self.work_dir / "http.address"
+        wait_for(path.exists, 30, f"agent {self.name}'s dashboard to start")
+        return path.read_text().strip()
+
+    def start(self, timeout: float = 30.0, wait: bool = True) -> AgentProcess:
+        """Start the agent; with ``wait``, return once it listens (its address is known)."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         address_file = self.work_dir / "agent.address"
         address_file.unlink(missing_ok=True)
+        (self.work_dir / "http.address").unlink(missing_ok=True)
         env = dict(os.environ if self.env is None else self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
             )
+        if not wait:
+            return self
 
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
@@ -314,6 +329,40 @@ class AgentProcess:
                         p.kill()
         # A vanished machine's FUSE mounts vanish with it; here they would linger.
         unmount_under(self.work_dir)
+
+
+def mesh_agents(etcd_url: str, namespace: str) -> list[psutil.Process]:
+    """Running agent processes of one mesh, found by their command line: also those
+    no one here started by hand (a leader's ``local`` provisioner started them)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        pairs = set(itertools.pairwise(proc.info["cmdline"] or []))
+        if ("--etcd", etcd_url) in pairs and ("--namespace", namespace) in pairs and (
+            "agent", "start") in pairs:
+            found.append(proc)
+    return found
+
+
+def stop_all(procs: Sequence[psutil.Process], timeout: float) -> None:
+    """SIGTERM (drain) each, wait until all have exited, SIGKILL what is left."""
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGTERM)
+
+    def exited() -> bool:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    return False
+        return True
+
+    with contextlib.suppress(TimeoutError):
+        wait_for(exited, timeout, "agents to stop", interval=0.1)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def unmount_under(root: Path) -> list[str]:
@@ -415,6 +464,8 @@ class LocalMesh:
     def close(self) -> None:
         for agent in self.agents:
             agent.terminate(timeout=15)
+        # Agents a leader started to burst (local provisioner) go with the mesh.
+        stop_all(mesh_agents(self.etcd.url, self.namespace), timeout=15)
         unmount_under(self.root)
         self.etcd.stop()
         if self.s3 is not None:

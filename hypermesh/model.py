@@ -54,6 +54,7 @@ class NodeRecord:
     lease: int = 0
     metrics: str = ""
     """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
+    http_address: str = ""  # the node's web dashboard, if it serves one
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -146,6 +147,42 @@ class Result:
     ended_at: float
 
 
+@dataclass(frozen=True)
+class ExperimentControl:
+    """Live changes to one experiment of a submitted workflow (``expctl/`` key).
+
+    ``workers_set`` tells a changed cap apart from the recipe's: with it,
+    ``workers`` replaces the recipe's value (None = no cap, 0 = start nothing new).
+    ``extra_samples`` are tasks added on top of the recipe's count. ``revision``
+    is the key's mod revision, which writers compare to change it.
+    """
+
+    cancelled: bool = False
+    workers_set: bool = False
+    workers: int | None = None
+    extra_samples: int = 0
+    revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cancelled": self.cancelled, "extra_samples": self.extra_samples}
+        if self.workers_set:
+            out["workers"] = self.workers
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], revision: int = 0) -> ExperimentControl:
+        workers = data.get("workers")
+        if workers is not None and (not isinstance(workers, int) or workers < 0):
+            raise TypeError(f"workers must be a non-negative integer or null, not {workers!r}")
+        return cls(
+            cancelled=bool(data.get("cancelled", False)),
+            workers_set="workers" in data,
+            workers=workers,
+            extra_samples=int(data.get("extra_samples", 0)),
+            revision=revision,
+        )
+
+
 @dataclass
 class ExperimentSummary:
     state: str
@@ -168,6 +205,13 @@ class ExperimentSummary:
         }
 
 
+def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
 class MeshView:
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
@@ -182,6 +226,8 @@ class MeshView:
         self.candidates: dict[str, tuple[int, str]] = {}  # key -> (create_revision, node)
         self.workflows: dict[str, WorkflowRecord] = {}
         self.workflow_states: dict[str, str] = {}
+        self.workflow_state_revisions: dict[str, int] = {}
+        self.controls: dict[tuple[str, str], ExperimentControl] = {}
         self.expanded: dict[tuple[str, str], int] = {}
         self.tasks: dict[TaskRef, dict[str, Any]] = {}
         self.claims: dict[TaskRef, Claim] = {}
@@ -194,6 +240,12 @@ class MeshView:
         # Known tasks per (workflow, experiment) by raw state: open, running, or
         # their result's state. Kept incrementally so summaries cost O(1).
         self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        # Bursting (raw JSON and mod revision, read by agent/burst.py and the CLI):
+        # pool declarations, provisioned nodes, node-seconds per pool and workflow.
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+        self.usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -242,14 +294,34 @@ class MeshView:
     def _apply_wfstate(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:
             self.workflow_states.pop(parts[0], None)
+            self.workflow_state_revisions.pop(parts[0], None)
         else:
             self.workflow_states[parts[0]] = data["state"]
+            self.workflow_state_revisions[parts[0]] = mrev
+
+    def _apply_expctl(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.controls.pop((parts[0], parts[1]), None)
+        else:
+            self.controls[(parts[0], parts[1])] = ExperimentControl.from_json(data, mrev)
 
     def _apply_expanded(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:
             self.expanded.pop((parts[0], parts[1]), None)
         else:
             self.expanded[(parts[0], parts[1])] = int(data["count"])
+
+    def _apply_pool(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.pools, parts[0], data)
+
+    def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.instances, parts[0], data)
+
+    def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
+
+    def _apply_wfusage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.workflow_usage, parts[0], None if data is None else (data, mrev))
 
     def _ref(self, parts: list[str]) -> TaskRef:
         return TaskRef(parts[0], parts[1], int(parts[2]))
@@ -365,45 +437,71 @@ class MeshView:
             if r.workflow == wid and (experiment is None or r.experiment == experiment)
         )
 
+    def control(self, wid: str, experiment: str) -> ExperimentControl:
+        """The live changes made to an experiment (none: the recipe as submitted)."""
+        return self.controls.get((wid, experiment)) or ExperimentControl()
+
+    def experiment_cancelled(self, wid: str, experiment: str) -> bool:
+        return self.control(wid, experiment).cancelled
+
+    def workers(self, wid: str, exp: Experiment) -> int | None:
+        """The experiment's ``workers`` cap now: a live change, else the recipe's."""
+        control = self.control(wid, exp.name)
+        return control.workers if control.workers_set else exp.workers
+
+    def target_count(self, wid: str, exp: Experiment) -> int:
+        """How many tasks the experiment is to have: the recipe's plus those added live."""
+        return planned_count(exp) + self.control(wid, exp.name).extra_samples
+
     def task_state(self, ref: TaskRef) -> str:
         result = self.results.get(ref)
         if result is not None:
             return result.state
         if ref in self.claims:
             return "running"
-        if self.workflow_state(ref.workflow) == "cancelled":
+        if self.workflow_state(ref.workflow) == "cancelled" or self.experiment_cancelled(
+            ref.workflow, ref.experiment
+        ):
             return "cancelled"
         return "pending"
 
     def counted_failures(self, ref: TaskRef) -> int:
-        """Ended attempts that count against ``retries`` (failed exits and timeouts)."""
+        """Ended attempts that count against ``retries`` (failed exits and timeouts),
+        since the last ``retry`` of the task (``retry_from`` in its key)."""
+        since = int(self.tasks.get(ref, {}).get("retry_from", 0))
         return sum(
             1
             for a in self.attempts.get(ref, {}).values()
-            if a.state == "failed" and a.reason in COUNTED_REASONS
+            if a.attempt > since and a.state == "failed" and a.reason in COUNTED_REASONS
         )
 
     def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
         wstate = self.workflow_state(wf.id)
+        stopped = wstate == "cancelled" or self.experiment_cancelled(wf.id, exp.name)
         count = self.expanded.get((wf.id, exp.name))
         if count is None:
-            total = planned_count(exp)
+            total = self.target_count(wf.id, exp)
             blocked = any(
                 self.experiment_summary(wf, wf.recipe.experiment(dep)).state
                 in ("failed", "cancelled")
                 for dep in exp.after
             )
-            if wstate == "cancelled" or blocked:
+            if stopped or blocked:
                 return ExperimentSummary("cancelled", total, cancelled=total)
             return ExperimentSummary("pending", total, pending=total)
         counts = self.counts.get((wf.id, exp.name), Counter())
+        # Samples added live count from the moment they are asked for, before the
+        # leader writes their tasks; a cancelled experiment gets no more.
+        if not stopped:
+            count = max(count, self.target_count(wf.id, exp))
+        count = max(count, sum(counts.values()))
         summary = ExperimentSummary("pending", count)
         summary.running = counts["running"]
         summary.succeeded = counts["succeeded"]
         summary.failed = counts["failed"]
         summary.cancelled = counts["cancelled"]
         waiting = count - summary.running - summary.succeeded - summary.failed - summary.cancelled
-        if wstate == "cancelled":
+        if stopped:
             summary.cancelled += waiting
         else:
             summary.pending = waiting

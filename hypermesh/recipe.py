@@ -130,6 +130,8 @@ class Experiment:
     overlaid with the experiment's own. ``samples`` is set whenever a range parameter exists.
     ``data`` maps an alias (an identifier) to a data set, ``NAME`` (its newest version when
     the task starts) or ``NAME@VERSION``; the agent mounts each and tells the task where.
+    ``pools``, when not empty, are the only pools whose nodes run the tasks, in order of
+    preference (the leader scales the first provisioned pool with room first).
     """
 
     name: str
@@ -146,12 +148,14 @@ class Experiment:
     image: str | None = None
     seed: int | None = None
     data: Mapping[str, str] = field(default_factory=FrozenMap)
+    pools: tuple[str, ...] = ()
     objective: Objective | None = None
     sampling: str | None = None  # None or "random": drawn up front; "tpe": adaptive
     pruning: str | None = None  # "median": stop trials worse than the median
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "parameters", tuple(self.parameters))
         object.__setattr__(self, "after", tuple(self.after))
         object.__setattr__(self, "env", FrozenMap(self.env))
@@ -256,7 +260,8 @@ _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
-    "timeout", "framework", "image", "seed", "data", "objective", "sampling", "pruning",
+    "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
+    "pruning",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
@@ -349,6 +354,7 @@ class _Checker(MLChecker):
         image = optional("image", self.string)
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
+        pools = optional("pools", self.pools) or ()
         objective = optional("objective", self.objective)
         sampling = self.choice(spec.get("sampling"), f"{path}.sampling", EXPERIMENT_SAMPLINGS)
         pruning = self.choice(spec.get("pruning"), f"{path}.pruning", PRUNERS)
@@ -360,7 +366,8 @@ class _Checker(MLChecker):
             name=name, command=command, parameters=tuple(parameters), samples=samples,
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
-            seed=seed, data=data, objective=objective, sampling=sampling, pruning=pruning,
+            seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
+            pruning=pruning,
         )
 
     # ------------------------------------------------------------------ data sets
@@ -388,6 +395,27 @@ class _Checker(MLChecker):
                 continue
             result[alias] = spec
         return result
+
+    # ------------------------------------------------------------------ pools
+    def pools(self, node: _Node, path: str) -> tuple[str, ...] | None:
+        items = node.value if isinstance(node.value, list) else [node]
+        if not items:
+            self.at(node, path, "expected one pool name or a list of them, got an empty list")
+            return None
+        names: list[str] = []
+        for i, item in enumerate(items):
+            where = f"{path}[{i}]" if isinstance(node.value, list) else path
+            name = self.string(item, where)
+            if name is None:
+                continue
+            if not _EXPERIMENT_NAME.fullmatch(name):
+                self.at(item, where, f"{name!r} is not a pool name (1-63 letters, digits, "
+                        "'_' or '-', starting with a letter or digit)")
+            elif name in names:
+                self.at(item, where, f"pool {name!r} is listed twice")
+            else:
+                names.append(name)
+        return tuple(names) if len(names) == len(items) else None
 
     # ------------------------------------------------------------------ command
     def command(

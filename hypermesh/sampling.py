@@ -27,11 +27,12 @@ import hashlib
 import itertools
 import math
 import random
+from dataclasses import replace
 from typing import Any
 
 from hypermesh.recipe import Experiment, Parameter
 
-__all__ = ["expand", "experiment_seed", "grid_size", "planned_count"]
+__all__ = ["expand", "expand_more", "experiment_seed", "grid_size", "planned_count"]
 
 
 def _discrete(exp: Experiment) -> list[Parameter]:
@@ -84,6 +85,15 @@ def expand(exp: Experiment, seed: int) -> list[dict[str, Any]]:
             }
         )
     return tasks
+
+
+def expand_more(exp: Experiment, seed: int, start: int, count: int) -> list[dict[str, Any]]:
+    """Parameters of ``count`` tasks added to an experiment that has ``start`` tasks
+    (``hypermesh extend``): drawn as ``samples: count`` (so discrete combinations repeat
+    minimally within the added tasks) with a seed derived from ``seed`` and ``start``,
+    so whoever writes them gets the same values."""
+    digest = hashlib.sha256(f"hypermesh:{seed}:extend:{start}".encode()).digest()
+    return expand(replace(exp, samples=count), int.from_bytes(digest[:8], "big") >> 1)
 
 
 def _product(discrete: list[Parameter]) -> itertools.product[tuple[Any, ...]]:

@@ -51,9 +51,7 @@ def is_adaptive(exp: Experiment) -> bool:
     return exp.sampling == "tpe"
 
 
-def parallelism(exp: Experiment) -> int:
-    """Trials of an adaptive search running (or waiting to run) at once: ``workers``, or 4."""
-    return exp.workers if exp.workers is not None else 4
+DEFAULT_PARALLELISM = 4  # unfinished trials of an adaptive search without a workers cap
 
 
 def startup_trials(samples: int) -> int:
@@ -97,12 +95,12 @@ def _trial(view: MeshView, ref: TaskRef, params: dict[str, Any], metric: str | N
     return Trial(ref.index, dict(params), state, value, intermediate)
 
 
-def next_indices(exp: Experiment, created: int, finished: int) -> range:
-    """Indices of the trials to create now: up to the budget, and no more unfinished
-    trials than the experiment's parallelism."""
-    assert exp.samples is not None
-    room = parallelism(exp) - (created - finished)
-    return range(created, created + max(0, min(exp.samples - created, room)))
+def next_indices(budget: int, parallel: int, created: int, finished: int) -> range:
+    """Indices of the trials to create now: up to the ``budget`` (the experiment's
+    samples, plus any added live), with at most ``parallel`` (its ``workers`` cap, live
+    or from the recipe) unfinished."""
+    room = parallel - (created - finished)
+    return range(created, created + max(0, min(budget - created, room)))
 
 
 # --------------------------------------------------------------------------- Optuna

@@ -71,10 +71,30 @@ async def cancel_workflow(etcd: Etcd, ks: Keyspace, wid: str) -> tuple[str, bool
     raise UsageError(f"workflow {wid} kept changing state; try cancel again")
 
 
-async def set_workflow_state(etcd: Etcd, ks: Keyspace, wid: str, expected: str, state: str) -> bool:
-    """Move a workflow from ``expected`` to ``state``; False if someone changed it first."""
+def state_guard(etcd: Etcd, ks: Keyspace, wid: str, state_revision: int | None) -> list[Any]:
+    """The compare that fences a leader's write: the workflow state key is as the
+    leader saw it (live changes rewrite it). None: no compare (callers that hold
+    no view)."""
+    if state_revision is None:
+        return []
+    return [etcd.mod_revision_is(ks.workflow_state(wid), state_revision)]
+
+
+async def set_workflow_state(
+    etcd: Etcd,
+    ks: Keyspace,
+    wid: str,
+    expected: str,
+    state: str,
+    state_revision: int | None = None,
+) -> bool:
+    """Move a workflow from ``expected`` to ``state``; False if someone changed it first
+    (with ``state_revision``, also if anyone rewrote the state key since)."""
     done = await etcd.txn(
-        [etcd.value_is(ks.workflow_state(wid), state_value(expected))],
+        [
+            etcd.value_is(ks.workflow_state(wid), state_value(expected)),
+            *state_guard(etcd, ks, wid, state_revision),
+        ],
         [etcd.op_put(ks.workflow_state(wid), state_value(state))],
     )
     return done.succeeded
@@ -86,6 +106,8 @@ async def expand_experiment(
     wid: str,
     experiment: str,
     params: Sequence[dict[str, Any]],
+    state_revision: int | None = None,
+    start: int = 0,
     count: int | None = None,
 ) -> bool:
     """Write an experiment's tasks, then its ``expanded`` marker.
@@ -93,22 +115,29 @@ async def expand_experiment(
     Tasks are written in batches (etcd bounds a transaction's size); the marker
     is written last and only once. Task values are deterministic (seeded), so a
     new leader that repeats an interrupted expansion writes the same tasks.
-    ``count`` (default: ``len(params)``) is the experiment's total; an adaptive search
-    writes none up front and each later with ``add_task``.
+
+    With ``start`` > 0 the experiment is already expanded with ``start`` tasks
+    and ``params`` are tasks added to it (``hypermesh extend``): every batch is
+    guarded by the marker still counting ``start``, and the marker moves to the
+    new count last. Either way, ``state_revision`` fences the write against a
+    live change made since the leader decided.
+    ``count`` (default: ``start + len(params)``) is the marker's count: an adaptive
+    search writes no task up front and each later with ``add_task``.
     """
     marker = ks.expanded(wid, experiment)
+    guard = (
+        [etcd.value_is(marker, dumps({"count": start}))] if start else [etcd.absent(marker)]
+    ) + state_guard(etcd, ks, wid, state_revision)
     puts = [
-        etcd.op_put(ks.task(TaskRef(wid, experiment, i)), dumps({"params": p}))
+        etcd.op_put(ks.task(TaskRef(wid, experiment, start + i)), dumps({"params": p}))
         for i, p in enumerate(params)
     ]
-    for start in range(0, len(puts), MAX_TXN_OPS):
-        done = await etcd.txn([etcd.absent(marker)], puts[start : start + MAX_TXN_OPS])
+    for first in range(0, len(puts), MAX_TXN_OPS):
+        done = await etcd.txn(guard, puts[first : first + MAX_TXN_OPS])
         if not done.succeeded:
             return False
-    done = await etcd.txn(
-        [etcd.absent(marker)],
-        [etcd.op_put(marker, dumps({"count": len(params) if count is None else count}))],
-    )
+    total = start + len(params) if count is None else count
+    done = await etcd.txn(guard, [etcd.op_put(marker, dumps({"count": total}))])
     return done.succeeded
 
 
@@ -235,11 +264,18 @@ async def finish_attempt(
     )
 
 
-async def add_task(etcd: Etcd, ks: Keyspace, ref: TaskRef, params: dict[str, Any]) -> bool:
+async def add_task(
+    etcd: Etcd,
+    ks: Keyspace,
+    ref: TaskRef,
+    params: dict[str, Any],
+    state_revision: int | None = None,
+) -> bool:
     """Write one task of an adaptive experiment; False if that index already exists
-    (another leader wrote it first)."""
+    (another leader wrote it first) or a live change was made since the leader decided."""
     done = await etcd.txn(
-        [etcd.absent(ks.task(ref))], [etcd.op_put(ks.task(ref), dumps({"params": params}))]
+        [etcd.absent(ks.task(ref)), *state_guard(etcd, ks, ref.workflow, state_revision)],
+        [etcd.op_put(ks.task(ref), dumps({"params": params}))],
     )
     return done.succeeded
 

@@ -45,7 +45,7 @@ def tpe_run(exp: Experiment, seed: int, order: int) -> float:
     trials: list[Trial] = []
     finished = 0
     while finished < exp.samples:
-        for i in next_indices(exp, len(trials), finished):
+        for i in next_indices(exp.samples, exp.workers or 4, len(trials), finished):
             trials.append(Trial(i, suggest(exp, seed, i, trials), "running"))
         running = [k for k, t in enumerate(trials) if t.state == "running"]
         k = rng.choice(running)

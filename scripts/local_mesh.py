@@ -42,7 +42,8 @@ def _start(opts: argparse.Namespace) -> LocalMesh:
     mesh.start()
     for agent in mesh.agents:
         print(
-            f"local mesh: agent {agent.name} at {agent.address} (log {agent.log_path})",
+            f"local mesh: agent {agent.name} at {agent.address} (log {agent.log_path}), "
+            f"dashboard http://{agent.http_address}/",
             file=sys.stderr,
         )
     if mesh.s3 is not None:

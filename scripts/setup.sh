@@ -8,8 +8,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 # System packages the project needs: fuse3 for chunkfs mounts; libfuse3-dev and
-# pkg-config because pyfuse3 builds from source.
-APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config)
+# pkg-config because pyfuse3 builds from source; chromium and its driver for the
+# dashboard's browser test (Selenium drives Debian's headless Chromium).
+APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config chromium chromium-driver)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -35,7 +36,7 @@ if ! .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" >.venv/pip
   exit 1
 fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()
-import pyfuse3, pyfuse3.asyncio, boto3, hypermesh.s3server as s; s.weed_binary()
+import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.s3server as s; s.weed_binary()
 import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

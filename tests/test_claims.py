@@ -204,8 +204,11 @@ def test_slot_indices_are_unique_free_and_within_the_cap(workers: int, taken: se
     plans = choose_claims(feed.view, node(slots=10), LocalLoad(), limit=10)
     slots = [p.slot for p in plans]
     free = set(range(workers)) - taken
-    assert len(slots) == len(set(slots)) == len(free)
-    assert set(slots) == free
+    # Slots above the cap (held by tasks that started before a live `scale` lowered
+    # it) count against the cap too: the mesh converges to the new cap.
+    room = max(0, workers - len(taken))
+    assert len(slots) == len(set(slots)) == min(len(free), room)
+    assert set(slots) <= free
 
 
 # ------------------------------------------------------------------ hardware

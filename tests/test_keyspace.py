@@ -118,7 +118,7 @@ def test_workflow_prefixes_cover_every_key_of_the_workflow() -> None:
     assert sorted(exact) == sorted([ks.workflow("w"), ks.workflow_state("w")])
     ranged = [
         ks.expanded("w", "e"), ks.task(ref), ks.claim(ref), ks.attempt(ref, 1), ks.result(ref),
-        ks.slot("w", "e", 0),
+        ks.slot("w", "e", 0), ks.experiment_control("w", "e"),
     ]
     for key in ranged:
         assert any(key.startswith(p) for p in ranges), key

@@ -164,12 +164,12 @@ def test_suggest_is_deterministic_and_within_the_space() -> None:
 
 
 def test_next_indices_keep_budget_and_parallelism() -> None:
-    exp = tpe_experiment()  # samples 8, workers 3
-    assert list(next_indices(exp, 0, 0)) == [0, 1, 2]
-    assert list(next_indices(exp, 3, 1)) == [3]
-    assert list(next_indices(exp, 3, 0)) == []
-    assert list(next_indices(exp, 7, 7)) == [7]
-    assert list(next_indices(exp, 8, 8)) == []
+    assert list(next_indices(8, 3, 0, 0)) == [0, 1, 2]
+    assert list(next_indices(8, 3, 3, 1)) == [3]
+    assert list(next_indices(8, 3, 3, 0)) == []
+    assert list(next_indices(8, 3, 7, 7)) == [7]
+    assert list(next_indices(8, 3, 8, 8)) == []
+    assert list(next_indices(10, 3, 8, 8)) == [8, 9]  # samples added live
 
 
 def test_ranked_orders_by_goal_and_skips_unfinished() -> None:

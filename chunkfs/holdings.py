@@ -1,0 +1,101 @@
+"""What a chunk cache directory holds, read by another process (its mount's agent).
+
+A mount owns its cache directory (``cache.ChunkCache``, under a file lock); the agent
+that started the mount only *reads* it, to say what the node holds — bytes cached, and
+(for peers) which chunks — and to serve ranges of them. It reads the cache's own
+records: a chunk's ``<id>.have`` file lists which blocks were written, and is written
+by the mount a couple of seconds after its blocks change (``HAVE_FLUSH_INTERVAL``). So
+this view lags the mount slightly and may name a block that was evicted since: readers
+of :func:`read_range` get bytes that *may* be wrong, and must verify them against the
+chunk's digests before use, as every chunkfs reader does with every source.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hypermesh.chunkfs.cache import HAVE_HEADER, MAGIC, block_span
+from hypermesh.chunkfs.format import BLOCK_SIZE, block_count
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One cached chunk as its ``.have`` record tells: its size and written blocks."""
+
+    chunk_id: str
+    size: int
+    blocks: frozenset[int]
+
+    @property
+    def present_bytes(self) -> int:
+        return sum(block_span(i, self.size)[1] for i in self.blocks)
+
+    def covers(self, offset: int, length: int) -> bool:
+        """Whether every block under ``[offset, offset+length)`` was written."""
+        if length <= 0 or offset < 0 or offset + length > self.size:
+            return False
+        first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
+        return all(i in self.blocks for i in range(first, last + 1))
+
+
+def _have_path(cache_root: Path, chunk_id: str) -> Path:
+    return cache_root / "v1" / chunk_id[:2] / f"{chunk_id}.have"
+
+
+def read_holding(cache_root: Path, chunk_id: str) -> Holding | None:
+    """The chunk's record in the cache at ``cache_root``, or None (absent or unreadable)."""
+    try:
+        have = _have_path(cache_root, chunk_id).read_bytes()
+        magic, size = HAVE_HEADER.unpack_from(have)
+    except (OSError, struct.error):
+        return None
+    state = have[HAVE_HEADER.size :]
+    if magic != MAGIC or len(state) != block_count(size):
+        return None
+    return Holding(chunk_id, size, frozenset(i for i, s in enumerate(state) if s == 1))
+
+
+def scan(cache_roots: Iterable[Path]) -> dict[str, Holding]:
+    """Every chunk with at least one written block in any of these caches."""
+    out: dict[str, Holding] = {}
+    for root in cache_roots:
+        try:
+            shards = list(os.scandir(root / "v1"))
+        except OSError:
+            continue
+        for shard in shards:
+            try:
+                names = [e.name for e in os.scandir(shard.path) if e.name.endswith(".have")]
+            except OSError:
+                continue
+            for name in names:
+                holding = read_holding(root, name[: -len(".have")])
+                if holding is not None and holding.blocks:
+                    old = out.get(holding.chunk_id)
+                    if old is None or len(holding.blocks) > len(old.blocks):
+                        out[holding.chunk_id] = holding
+    return out
+
+
+def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> bytes | None:
+    """Chunk bytes ``[offset, offset+length)`` from the cache if its record says every
+    block under them was written, else None. Unverified: the caller checks digests."""
+    holding = read_holding(cache_root, chunk_id)
+    if holding is None or not holding.covers(offset, length):
+        return None
+    path = cache_root / "v1" / chunk_id[:2] / f"{chunk_id}.data"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, length, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return data if len(data) == length else None

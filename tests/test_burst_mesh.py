@@ -1,0 +1,175 @@
+"""Bursting end to end with the local provisioner: real etcd, real agents.
+
+A static pool of one agent (1 slot) and a burst pool (``local``, spot, max 3,
+short idle timeout). The agents run the ``local`` preset, whose burst timings
+are seconds (tick 0.5 s, wait threshold 1 s, drain target 2 s)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from hypermesh.localmesh import LocalMesh, hypermesh_command, mesh_agents, stop_all, wait_for
+from tests.conftest import Mesh
+
+SWEEP = """\
+experiments:
+  sweep:
+    parameters:
+      i: {{values: [{values}]}}
+    command: sleep {seconds}
+"""
+
+
+def burst_processes(mesh: Mesh) -> list[psutil.Process]:
+    """Agents of the burst pool (started by the leader, not by the test)."""
+    return [p for p in mesh_agents(mesh.etcd.url, mesh.namespace)
+            if ("--pool", "burst") in set(itertools.pairwise(p.info["cmdline"]))]
+
+
+@pytest.fixture
+def burst_mesh(mesh: Mesh) -> Iterator[Mesh]:
+    mesh.hm("pool", "set", "onprem", "--price", "0.5", check=True)
+    mesh.hm("pool", "set", "burst", "--kind", "local", "--price", "1", "--spot-price", "0.25",
+            "--spot", "--max", "3", "--idle-timeout", "2s", check=True)
+    mesh.agent("node1", slots=1, extra=("--pool", "onprem"))
+    try:
+        yield mesh
+    finally:
+        stop_all(burst_processes(mesh), timeout=15)
+
+
+def burst_nodes(mesh: Mesh) -> list[str]:
+    return [n["name"] for n in mesh.hm_json("nodes") if n["pool"] == "burst"]
+
+
+def events(mesh: Mesh) -> list[dict[str, Any]]:
+    out = mesh.hm("events", "--json", check=True).stdout
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def pool_row(mesh: Mesh, name: str) -> dict[str, Any]:
+    return next(r for r in mesh.hm_json("pool", "ls") if r["name"] == name)
+
+
+def test_backlog_bursts_then_idle_burst_nodes_leave(burst_mesh: Mesh) -> None:
+    mesh = burst_mesh
+    wid = mesh.submit(mesh.write_recipe(SWEEP.format(values="0, 1, 2, 3, 4, 5, 6, 7",
+                                                     seconds=2)))
+    seen: set[str] = set()
+    most = 0
+
+    def bursting() -> bool:
+        nonlocal most
+        row = pool_row(mesh, "burst")
+        most = max(most, len(row["nodes"]) + len(row["starting"]))
+        seen.update(row["nodes"])
+        return len(row["nodes"]) >= 2
+
+    wait_for(bursting, 60, "burst nodes to register", interval=0.3)
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded", mesh.logs()
+    ran_on = {a["node"] for t in mesh.hm_json("tasks", wid) for a in t["attempts"]}
+    assert ran_on & seen, f"no task ran on a burst node: {ran_on} vs {seen}"
+
+    # Idle timeout 2 s: every burst node is released and gone, and its record too.
+    def all_gone() -> bool:
+        nonlocal most
+        row = pool_row(mesh, "burst")
+        most = max(most, len(row["nodes"]) + len(row["starting"]))
+        return not row["nodes"] and not row["starting"] and not burst_processes(mesh)
+
+    wait_for(all_gone, 60, "burst nodes to be released", interval=0.3)
+    assert most <= 3
+    log = events(mesh)
+    launched = sum(e["count"] for e in log if e["action"] == "launch")
+    released = {e["node"] for e in log if e["action"] == "release"}
+    assert launched >= 2 and seen <= released
+    assert all(e["spot"] for e in log if e["action"] == "launch")
+    assert all(e["reason"].startswith("idle for") for e in log if e["action"] == "release")
+
+    # Cost: spot burst nodes at 0.25/h instead of 1/h, static at 0.5/h either way.
+    cost = mesh.hm_json("status", wid)["cost"]
+    assert cost["node_seconds"] > 0
+    assert 0 < cost["cost"] < cost["on_demand_cost"]
+    assert cost["pools"]["burst"]["spot_s"] > 0
+    (listed,) = mesh.hm_json("status")
+    assert listed["id"] == wid and listed["cost"]["cost"] >= cost["cost"]
+    assert "cost" in mesh.hm("status", wid, check=True).stdout
+
+
+def test_preempted_burst_node_is_replaced_while_work_remains(burst_mesh: Mesh) -> None:
+    mesh = burst_mesh
+    wid = mesh.submit(mesh.write_recipe(SWEEP.format(values=", ".join(map(str, range(10))),
+                                                     seconds=4)))
+
+    def a_burst_node_runs_a_task() -> str | None:
+        for t in mesh.hm_json("tasks", wid):
+            if t["state"] == "running" and t["node"] and t["node"].startswith("burst-"):
+                return str(t["node"])
+        return None
+
+    victim = str(wait_for(a_burst_node_runs_a_task, 60, "a task on a burst node", interval=0.3))
+    (proc,) = [p for p in burst_processes(mesh)
+               if ("--name", victim) in set(itertools.pairwise(p.cmdline()))]
+    proc.send_signal(signal.SIGKILL)  # a preemption: no drain, no goodbye
+
+    def replaced() -> bool:
+        log = events(mesh)
+        forgot = [i for i, e in enumerate(log) if e["action"] == "forget" and e["node"] == victim]
+        return bool(forgot) and any(e["action"] == "launch" for e in log[forgot[0]:])
+
+    wait_for(replaced, 30, f"preempted {victim} to be forgotten and replaced", interval=0.3)
+    assert mesh.hm_json("status", wid)["state"] != "succeeded"  # work remained
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded", mesh.logs()
+    lost = [a for t in mesh.hm_json("tasks", wid) for a in t["attempts"]
+            if a["node"] == victim and a["reason"] == "node-lost"]
+    assert lost, "the preempted node's task should have run again elsewhere"
+
+
+def test_nothing_starts_without_a_backlog_that_may_burst(burst_mesh: Mesh) -> None:
+    mesh = burst_mesh
+    # Work restricted to the static pool never bursts, however long it queues.
+    recipe = SWEEP.format(values="0, 1, 2", seconds=1.5) + "    pools: [onprem]\n"
+    wid = mesh.submit(mesh.write_recipe(recipe))
+    assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded"
+    # Then an idle mesh: the leader keeps ticking (the static node's seconds keep
+    # being counted) and starts nothing.
+    start = pool_row(mesh, "onprem")["node_seconds"]
+    wait_for(lambda: pool_row(mesh, "onprem")["node_seconds"] >= start + 3, 30,
+             "the leader to account 3 more node-seconds", interval=0.3)
+    assert burst_nodes(mesh) == []
+    assert pool_row(mesh, "burst")["starting"] == []
+    assert [e for e in events(mesh) if e["action"] == "launch"] == []
+    assert not burst_processes(mesh)
+
+
+def test_local_mesh_stops_the_agents_its_leader_started(tmp_path: Path) -> None:
+    mesh = LocalMesh(tmp_path, agents=1, slots=1, namespace="burstclose", fsync=False)
+    mesh.start()
+    try:
+        env = dict(os.environ, **mesh.env())
+
+        def hm(*args: str) -> str:
+            return subprocess.run([*hypermesh_command(), *args], env=env, check=True,
+                                  capture_output=True, text=True, timeout=60).stdout
+
+        hm("pool", "set", "burst", "--kind", "local", "--max", "1", "--idle-timeout", "10m")
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(SWEEP.format(values="0, 1, 2, 3", seconds=3))
+        hm("submit", str(recipe))
+        wait_for(lambda: [n for n in json.loads(hm("nodes", "--json")) if n["pool"] == "burst"],
+                 60, "a burst node", interval=0.3)
+    finally:
+        mesh.close()
+    assert mesh_agents(mesh.etcd.url, "burstclose") == []
