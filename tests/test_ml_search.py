@@ -104,12 +104,14 @@ def test_tpe_finds_a_better_trial_than_random_on_the_same_budget(mesh: Mesh) -> 
     assert best["tpe"] < best["random"] / 3, best
 
 
-def test_tpe_sweep_survives_leader_failover(mesh: Mesh) -> None:
+def test_tpe_sweep_survives_leader_failover_and_extends_live(mesh: Mesh) -> None:
     for name in ("node1", "node2", "node3"):
         mesh.agent(name, slots=1)
     write_trial(mesh)
     recipe = mesh.write_recipe(SWEEP.format(samples=16, sampling="tpe"))
     wid = mesh.submit(recipe)
+    # Samples added live raise the trial budget; the search still creates trials one by one.
+    mesh.hm("extend", wid, "sweep", "--samples", "4", check=True)
 
     def some_done() -> bool:
         status = mesh.hm_json("status", wid)
@@ -121,7 +123,7 @@ def test_tpe_sweep_survives_leader_failover(mesh: Mesh) -> None:
     status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=180)
     assert status["state"] == "succeeded"
     tasks = mesh.hm_json("tasks", wid)
-    assert sorted(t["index"] for t in tasks) == list(range(16))
+    assert sorted(t["index"] for t in tasks) == list(range(20))
     assert all(t["state"] == "succeeded" and "loss" in t["metrics"] for t in tasks)
 
 
