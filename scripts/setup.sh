@@ -37,6 +37,6 @@ if ! .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" >.venv/pip
 fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.s3server as s; s.weed_binary()
-import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client" \
+import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2
