@@ -96,7 +96,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                     f"{exp['succeeded']}/{exp['total']} done",
                     file=sys.stderr,
                 )
-                victim.start()
+                victim.start(wait=False)  # the kill cadence must not wait for restarts
                 next_kill = now + opts.kill_every
             time.sleep(0.5)
         elapsed = time.monotonic() - started
