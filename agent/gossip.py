@@ -42,6 +42,7 @@ CHANNEL_OPTIONS = [
 META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
+HOLDINGS_PERIOD_S = 10.0  # how often the chunk caches on disk are looked at again
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -63,6 +64,9 @@ class Gossip:
         self._wake = asyncio.Event()
         self._sleep_until = 0.0  # when the protocol loop wakes by itself next
         self._sends: set[asyncio.Task[None]] = set()
+        self._cached_bytes = 0
+        self._holdings_at = -HOLDINGS_PERIOD_S
+        self._holdings: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ running
     async def run(self) -> None:
@@ -87,7 +91,7 @@ class Gossip:
                     async with asyncio.timeout(delay):
                         await self._wake.wait()
         finally:
-            for task in list(self._sends):
+            for task in [*self._sends, *([self._holdings] if self._holdings else [])]:
                 task.cancel()
             for link in self.links.values():
                 await link.close()
@@ -178,13 +182,36 @@ class Gossip:
             "gpus": a.machine.gpus,
             "free_gpus": max(0.0, a.machine.gpus - gpus_used),
             "state": a.state,
-            "cached_bytes": 0,  # chunk caches arrive with chunkfs
+            "cached_bytes": self._cached_bytes,
             # Lifeguard local health: peers skip waiting for a sick leader to act
             "health": self.swim.local_health if self.swim is not None else 0,
         }
 
+    def _refresh_holdings(self, now: float) -> None:
+        """Every ``HOLDINGS_PERIOD_S``, count what this node's chunk caches hold (in a
+        thread: it reads a small record per cached chunk). Nothing to do, and no
+        thread, on a node that never mounted a data set."""
+        if now - self._holdings_at < HOLDINGS_PERIOD_S or self._holdings is not None:
+            return
+        self._holdings_at = now
+        mounts = self.agent.mounts
+        if not mounts.has_caches():
+            return
+
+        async def scan() -> None:
+            try:
+                held = await asyncio.to_thread(mounts.holdings)
+                self._cached_bytes = sum(h.present_bytes for h in held.values())
+            except Exception:  # a bad cache directory must not stop gossip
+                log.exception("counting the chunk caches failed")
+            finally:
+                self._holdings = None
+
+        self._holdings = asyncio.create_task(scan())
+
     def _publish_load(self, now: float) -> None:
         assert self.swim is not None
+        self._refresh_holdings(now)
         meta = self.meta()
         if meta != self._meta and now - self._meta_at >= META_MIN_INTERVAL_S:
             self.swim.set_meta(meta, now)

@@ -23,6 +23,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from hypermesh.chunkfs.holdings import Holding, scan
 from hypermesh.chunkfs.mount import MountProcess
 
 from hypermesh.errors import HypermeshError, UsageError
@@ -86,6 +87,21 @@ class Mounts:
             for spec, task in self._mounts.items()
             if task.done() and not task.cancelled() and task.exception() is None
         }
+
+    def has_caches(self) -> bool:
+        """Whether this node has chunk caches on disk (it mounted a data set, now or
+        in an earlier run in the same work directory)."""
+        return (self.root / "cache").is_dir()
+
+    def holdings(self) -> dict[str, Holding]:
+        """What every chunk cache of this node holds, as their records say (blocking:
+        it reads one small file per cached chunk)."""
+        caches = self.root / "cache"
+        try:
+            dirs = [p / "chunks" for p in caches.iterdir() if p.is_dir()]  # see chunkfs.mount
+        except OSError:
+            return {}
+        return scan(dirs)
 
     @staticmethod
     def checkpoint_dir(mountpoint: Path, task_id: str) -> Path:

@@ -308,6 +308,11 @@ class ChunkCache:
             self.flush()
         return ok
 
+    def dirty(self) -> bool:
+        """Whether some chunk's blocks changed since its record was last written."""
+        with self._lock:
+            return any(c.dirty for c in self._chunks.values())
+
     def flush(self) -> None:
         """Write the ``.have`` record of every chunk whose blocks changed."""
         with self._flush_lock:  # one writer at a time, or an older record could land last

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from hypermesh.chunkfs.cache import ChunkCache
+from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
 from hypermesh.chunkfs.manifest import Manifest
@@ -174,7 +174,7 @@ def serve(
     except RuntimeError as exc:
         raise HypermeshError(f"FUSE mount of {mountpoint} failed: {exc}") from exc
     try:
-        asyncio.run(_main(mountpoint, ready))
+        asyncio.run(_main(mountpoint, ready, cache))
     finally:
         if pusher is not None:
             pusher.close()  # before the session goes: stores use it
@@ -187,7 +187,18 @@ def serve(
         log.info("unmounted %s", mountpoint)
 
 
-async def _main(mountpoint: Path, ready: Callable[[str], None] | None) -> None:
+async def _flush_records(cache: ChunkCache) -> None:
+    """Write changed ``.have`` records every ``HAVE_FLUSH_INTERVAL`` even when no more
+    blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up."""
+    while True:
+        await asyncio.sleep(HAVE_FLUSH_INTERVAL)
+        if cache.dirty():
+            await asyncio.to_thread(cache.flush)
+
+
+async def _main(
+    mountpoint: Path, ready: Callable[[str], None] | None, cache: ChunkCache
+) -> None:
     import pyfuse3
 
     loop = asyncio.get_running_loop()
@@ -215,7 +226,11 @@ async def _main(mountpoint: Path, ready: Callable[[str], None] | None) -> None:
             ready(f"ok {os.getpid()}")
 
     check = loop.run_in_executor(None, announce)
-    await pyfuse3.main()
+    records = asyncio.create_task(_flush_records(cache))
+    try:
+        await pyfuse3.main()
+    finally:
+        records.cancel()
     await check
 
 

@@ -66,6 +66,13 @@ experiments:
     # the checkpoint is durable in the store, not on either node
     assert store.get(f"outputs/checkpoints/{wid}.train.0/step") == b"7\n"
 
+    def node2_cached() -> int:  # what its chunk cache holds reaches gossip (every 10 s)
+        rows = {r["name"]: r for r in mesh.hm_json("nodes")}
+        return rows["node2"]["cached_bytes"] or 0
+
+    # part.txt's chunk (cmp of a file with itself reads nothing)
+    wait_for(lambda: node2_cached() == len("hello from shard 0\n"), 40, "node2's cached bytes")
+
 
 def test_a_task_whose_data_cannot_be_mounted_fails_with_reason_data(
     mesh: Mesh, store_url: str
