@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import socket
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from hypermesh.agent.attempt_logs import stream_log
@@ -30,6 +30,7 @@ from hypermesh.agent.attempt_logs import stream_log
 from hypermesh.errors import HypermeshError, NotFound
 from hypermesh.keyspace import TaskRef
 from hypermesh.node_rows import gossip_table, node_rows
+from hypermesh.pools import parse_pools, usage_cost
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
@@ -54,6 +55,12 @@ class Dashboard:
             body=_static(name), content_type=kind, headers={"Cache-Control": "no-cache"}
         )
 
+    def _summary(self, wid: str) -> dict[str, Any]:
+        """``status --json`` of one workflow, its cost included, from the agent's view."""
+        view = self.agent.view
+        usage = view.workflow_usage.get(wid, ({}, 0))[0]
+        return view.workflow_summary(wid) | {"cost": usage_cost(usage, parse_pools(view.pools))}
+
     async def workflows(self, request: web.Request) -> web.Response:
         view = self.agent.view
         ids = sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at, reverse=True)
@@ -62,7 +69,7 @@ class Dashboard:
                 "node": self.agent.cfg.name,
                 "leader": view.leader(),
                 "namespace": self.agent.ks.namespace,
-                "workflows": [view.workflow_summary(w) for w in ids],
+                "workflows": [self._summary(w) for w in ids],
             }
         )
 
@@ -86,7 +93,7 @@ class Dashboard:
             )
         return web.json_response(
             {
-                "status": view.workflow_summary(wid),
+                "status": self._summary(wid),
                 "dag": dag,
                 "tasks": [view.task_json(ref) for ref in view.task_refs(wid)],
             }

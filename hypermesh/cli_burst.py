@@ -17,7 +17,7 @@ from hypermesh.errors import NotFound, UsageError
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace
 from hypermesh.model import MeshView, dumps
-from hypermesh.pools import KINDS, Pool, usage_cost
+from hypermesh.pools import KINDS, Pool, parse_pools, usage_cost
 from hypermesh.recipe import Recipe
 from hypermesh.units import UnitError, parse_duration
 
@@ -108,13 +108,7 @@ async def _load(etcd: Etcd, ks: Keyspace, kinds: tuple[str, ...]) -> MeshView:
 
 def declared_pools(view: MeshView) -> dict[str, Pool]:
     """The pools declared in ``view`` (a malformed declaration is skipped)."""
-    pools = {}
-    for name, data in view.pools.items():
-        try:
-            pools[name] = Pool.from_json(data)
-        except (UsageError, TypeError):
-            continue
-    return pools
+    return parse_pools(view.pools)
 
 
 @pool.command("ls")

@@ -13,6 +13,7 @@ the allowed range. Pure: no I/O.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -128,6 +129,17 @@ def _check(name: str, value: float, low: float, high: float, integral: bool = Fa
 def cost(seconds: float, price_per_hour: float) -> float:
     """What ``seconds`` node-seconds cost at ``price_per_hour``."""
     return seconds / 3600.0 * price_per_hour
+
+
+def parse_pools(declared: Mapping[str, Any]) -> dict[str, Pool]:
+    """Pools from their stored declarations by name (a malformed one is skipped)."""
+    pools = {}
+    for name, data in declared.items():
+        try:
+            pools[name] = Pool.from_json(data)
+        except (UsageError, TypeError):
+            continue
+    return pools
 
 
 def usage_cost(usage: dict[str, dict[str, float]], pools: dict[str, Pool]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from hypermesh.agent.gpus import GpuSample, NoGpus, open_gpus
 from hypermesh.agent.telemetry import Sampler, TaskRoot, Telemetry
@@ -112,6 +113,9 @@ def test_sampler_attributes_a_busy_process_tree(tmp_path: Path) -> None:
         gpus = FakeGpus(owner=proc.pid)
         sampler = Sampler(tmp_path, gpus)
         roots = [TaskRoot("wf.exp.0", 1, proc.pid)]
+        # the busy child must exist at the first sample: a process's CPU share is
+        # measured from the sample that first saw it
+        wait_for(lambda: psutil.Process(proc.pid).children(), 10, "the busy child")
         sampler.sample(roots)
         time.sleep(1.0)
         node, (usage,) = sampler.sample(roots)

@@ -311,7 +311,8 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "task to run")
+    wait_for(lambda: [t["state"] for t in mesh.hm_json("tasks", wid)] == ["running"], 30,
+             "task to run")
     assert first.proc is not None
     first.proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
@@ -340,7 +341,8 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "task to run")
+    wait_for(lambda: [t["state"] for t in mesh.hm_json("tasks", wid)] == ["running"], 30,
+             "task to run")
     pid = task_pid(first, f"{wid}.survive.0")
     first.kill()  # the machine died: no drain, no lease revoke
     os.kill(pid, signal.SIGKILL)  # and its processes with it
