@@ -178,7 +178,8 @@ experiments:
 """
     )
     wid = mesh.submit(recipe)
-    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "the task to run")
+    wait_for(lambda: [t["state"] for t in mesh.hm_json("tasks", wid)] == ["running"], 30,
+             "the task to run")
     mesh.agent("ondemand1")
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
     handler.notice = json.dumps({"action": "terminate", "time": deadline}).encode()
@@ -232,7 +233,8 @@ experiments:
     )
     wid = mesh.submit(recipe)
     mesh.agent("node2", extra=("--lease-ttl", "60", "--gpus", "1"))
-    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "the task on node2")
+    wait_for(lambda: [t["state"] for t in mesh.hm_json("tasks", wid)] == ["running"], 30,
+             "the task on node2")
     crashed = time.time()
     mesh.agents["node2"].crash()
     mesh.agent("node3", extra=("--gpus", "1"))

@@ -384,7 +384,8 @@ experiments:
     )
     wid = mesh.submit(recipe)
     task = f"{wid}.chatty.0"
-    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["attempts"], 30, "the task to start")
+    wait_for(lambda: any(t["attempts"] for t in mesh.hm_json("tasks", wid)), 30,
+             "the task to start")
     result = mesh.hm("logs", task, "--follow", timeout=60, check=True)
     assert [f"line {i}" for i in range(1, 6)] == [
         ln for ln in result.stdout.splitlines() if ln.startswith("line")
