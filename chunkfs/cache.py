@@ -92,6 +92,7 @@ class ReadStats:
             "pushed_bytes": 0,
             "push_dropped": 0,
             "push_errors": 0,
+            "push_skipped": 0,
         }
 
     def served(self, source: str, blocks: int, nbytes: int) -> None:

@@ -377,8 +377,11 @@ class ChunkFS(pyfuse3.Operations):
         entry = self._entry(inode)
         if entry.kind != "f":
             raise pyfuse3.FUSEError(errno.EISDIR if entry.kind == "d" else errno.ELOOP)
-        push = self.pusher.bind(inode) if self.pusher is not None else None
-        self._handles[fh] = _DataFile(entry, Readahead(*self.readahead), push)
+        readahead = Readahead(*self.readahead)
+        push = None
+        if self.pusher is not None:
+            push = self.pusher.bind(inode, lambda: readahead.asked_end)
+        self._handles[fh] = _DataFile(entry, readahead, push)
         return pyfuse3.FileInfo(fh=fh, keep_cache=True, direct_io=False)
 
     @_fuse_errors

@@ -26,8 +26,10 @@ from hypermesh.chunkfs.cache import ReadStats
 
 log = logging.getLogger(__name__)
 
+PAGE = 4096
 Store = Callable[[int, int, "memoryview | bytes"], None]
 """``store(inode, offset, data)``: ``pyfuse3.notify_store`` in a mount."""
+_Item = tuple[int, int, "memoryview | bytes", "Callable[[], int] | None"]
 
 
 class PagePusher:
@@ -41,32 +43,48 @@ class PagePusher:
     def __init__(self, store: Store, stats: ReadStats, max_queued: int = 64) -> None:
         self._store = store
         self.stats = stats
-        self._queue: queue.Queue[tuple[int, int, memoryview | bytes] | None] = queue.Queue(
-            max_queued
-        )
+        self._queue: queue.Queue[_Item | None] = queue.Queue(max_queued)
         self._open = True
         self._thread = threading.Thread(target=self._run, name="chunkfs-push", daemon=True)
         self._thread.start()
 
-    def push(self, inode: int, offset: int, data: memoryview | bytes) -> None:
+    def push(
+        self,
+        inode: int,
+        offset: int,
+        data: memoryview | bytes,
+        asked_end: Callable[[], int] | None = None,
+    ) -> None:
+        """Queue a store. ``asked_end``: how far the kernel has asked for the file
+        already; pages before it are cut off when the store's turn comes (they are on
+        their way through reads, and storing them again would be waste)."""
         if not self._open:
             return
         try:
-            self._queue.put_nowait((inode, offset, data))
+            self._queue.put_nowait((inode, offset, data, asked_end))
         except queue.Full:
             self.stats.add("push_dropped")
 
-    def bind(self, inode: int) -> Callable[[int, memoryview | bytes], None]:
+    def bind(
+        self, inode: int, asked_end: Callable[[], int] | None = None
+    ) -> Callable[[int, memoryview | bytes], None]:
         """``push`` for one file: ``(offset, data)``."""
 
         def push(offset: int, data: memoryview | bytes) -> None:
-            self.push(inode, offset, data)
+            self.push(inode, offset, data, asked_end)
 
         return push
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            inode, offset, data = item
+            inode, offset, data, asked_end = item
+            if asked_end is not None:
+                asked = -(-asked_end() // PAGE) * PAGE
+                if offset + len(data) <= asked:
+                    self.stats.add("push_skipped")
+                    continue
+                if offset < asked:
+                    data, offset = data[asked - offset :], asked
             try:
                 self._store(inode, offset, data)
             except OSError as exc:
