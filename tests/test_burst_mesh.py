@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -121,12 +122,16 @@ def test_preempted_burst_node_is_replaced_while_work_remains(burst_mesh: Mesh) -
     victim = str(wait_for(a_burst_node_runs_a_task, 60, "a task on a burst node", interval=0.3))
     (proc,) = [p for p in burst_processes(mesh)
                if ("--name", victim) in set(itertools.pairwise(p.cmdline()))]
+    killed_at = time.time()
     proc.send_signal(signal.SIGKILL)  # a preemption: no drain, no goodbye
 
     def replaced() -> bool:
+        # Forgotten, and a node launched since the kill: the launch may come a tick
+        # before the forget (the lost task is pending again as soon as gossip has the
+        # node's lease revoked, before the leader sees the node gone from etcd).
         log = events(mesh)
-        forgot = [i for i, e in enumerate(log) if e["action"] == "forget" and e["node"] == victim]
-        return bool(forgot) and any(e["action"] == "launch" for e in log[forgot[0]:])
+        forgot = any(e["action"] == "forget" and e["node"] == victim for e in log)
+        return forgot and any(e["action"] == "launch" and e["at"] >= killed_at for e in log)
 
     wait_for(replaced, 30, f"preempted {victim} to be forgotten and replaced", interval=0.3)
     assert mesh.hm_json("status", wid)["state"] != "succeeded"  # work remained
