@@ -55,11 +55,15 @@ class Dashboard:
             body=_static(name), content_type=kind, headers={"Cache-Control": "no-cache"}
         )
 
-    def _summary(self, wid: str) -> dict[str, Any]:
-        """``status --json`` of one workflow, its cost included, from the agent's view."""
+    def _summaries(self, wids: list[str]) -> list[dict[str, Any]]:
+        """``status --json`` of these workflows, cost included, from the agent's view."""
         view = self.agent.view
-        usage = view.workflow_usage.get(wid, ({}, 0))[0]
-        return view.workflow_summary(wid) | {"cost": usage_cost(usage, parse_pools(view.pools))}
+        pools = parse_pools(view.pools)
+        return [
+            view.workflow_summary(w)
+            | {"cost": usage_cost(view.workflow_usage.get(w, ({}, 0))[0], pools)}
+            for w in wids
+        ]
 
     async def workflows(self, request: web.Request) -> web.Response:
         view = self.agent.view
@@ -69,7 +73,7 @@ class Dashboard:
                 "node": self.agent.cfg.name,
                 "leader": view.leader(),
                 "namespace": self.agent.ks.namespace,
-                "workflows": [self._summary(w) for w in ids],
+                "workflows": self._summaries(ids),
             }
         )
 
@@ -93,7 +97,7 @@ class Dashboard:
             )
         return web.json_response(
             {
-                "status": self._summary(wid),
+                "status": self._summaries([wid])[0],
                 "dag": dag,
                 "tasks": [view.task_json(ref) for ref in view.task_refs(wid)],
             }

@@ -672,14 +672,11 @@ class FileReader:
             with readahead.lock:
                 advice = readahead.advise(offset, length, entry.size)
             if advice is not None:
-                unasked = None if push is None else functools.partial(
-                    _push_unasked, push, readahead
-                )
                 for chunk, start, size, at in self._pieces(entry, *advice):
                     sink = None
-                    if unasked is not None:
+                    if push is not None:
                         sink = functools.partial(
-                            push_pages, unasked, entry.size, at - start, start, start + size
+                            push_pages, push, entry.size, at - start, start, start + size
                         )
                     self.reader.prefetch(chunk, start, size, sink)
         sequential = (
@@ -689,19 +686,6 @@ class FileReader:
             self.reader.read(chunk, start, size, sequential) for chunk, start, size, _ in pieces
         ]
         return data[0] if len(data) == 1 else b"".join(data)
-
-
-def _push_unasked(
-    push: PagePush, readahead: Readahead, offset: int, data: memoryview | bytes
-) -> None:
-    """``push`` what lies past the furthest page the kernel has asked for already: a
-    page it asked for is on its way through a read, and storing it again is waste."""
-    asked = -(-readahead.asked_end // PAGE) * PAGE
-    if offset + len(data) <= asked:
-        return
-    if offset < asked:
-        data, offset = data[asked - offset :], asked
-    push(offset, data)
 
 
 def push_pages(

@@ -128,7 +128,6 @@ def main() -> None:
             add("fuse_cpu_s_per_GB", cpu / (n / 1e9))
             add("read_amplification", stats["store_bytes"] / n)
             add("store_gets_per_GiB", stats["store_gets"] / (n / (1 << 30)))
-            add("fuse_read_KiB", n / stats["file_reads"] / 1024)
             add("fuse_reads_per_GiB", stats["file_reads"] / (n / (1 << 30)))
             add("pushed_fraction", stats.get("pushed_bytes", 0) / n)
 

@@ -385,18 +385,3 @@ def test_push_pages_pushes_nothing_for_a_one_block_run() -> None:
     chunk = bytes(1 << 20)
     assert _pushed(chunk, 0, 0, len(chunk), 0, chunk) == []
 
-
-def test_pages_the_kernel_asked_for_are_not_pushed_again() -> None:
-    from hypermesh.chunkfs.fetch import _push_unasked
-
-    ra = Readahead(4 << 20, 64 << 20)
-    ra.advise(0, 1 << 20, 100 << 20)  # the kernel asked for the first MiB
-    got: list[tuple[int, int]] = []
-
-    def push(off: int, data: memoryview | bytes) -> None:
-        got.append((off, len(data)))
-
-    _push_unasked(push, ra, 0, bytes(1 << 20))  # all asked: dropped
-    _push_unasked(push, ra, (1 << 20) - PAGE, bytes(3 * PAGE))  # the asked page is cut off
-    _push_unasked(push, ra, 2 << 20, bytes(PAGE))  # beyond: pushed whole
-    assert got == [(1 << 20, 2 * PAGE), (2 << 20, PAGE)]

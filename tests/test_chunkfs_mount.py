@@ -24,8 +24,6 @@ from hypermesh.localmesh import wait_for
 from hypermesh.s3server import S3Server
 from tests.test_chunkfs_pack import make_tree, make_writable, snapshot
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason="needs /dev/fuse")
-
 CHUNK = 4 * MiB
 SPECIAL = (".out", ".chunkfs-stats")
 Mounter = Callable[..., MountProcess]

@@ -7,7 +7,8 @@ import errno
 import threading
 
 from hypermesh.chunkfs.cache import ReadStats
-from hypermesh.chunkfs.pagepush import PagePusher
+from hypermesh.chunkfs.fetch import Readahead
+from hypermesh.chunkfs.pagepush import PAGE, PagePusher
 
 from hypermesh.localmesh import wait_for
 
@@ -49,3 +50,18 @@ def test_a_kernel_without_stores_turns_pushing_off() -> None:
     pusher.push(1, 4096, b"y")
     pusher.close()
     assert calls == [0]
+
+
+def test_pages_the_kernel_asked_for_are_not_stored_again() -> None:
+    ra = Readahead(4 << 20, 64 << 20)
+    ra.advise(0, 1 << 20, 100 << 20)  # the kernel asked for the first MiB
+    stored: list[tuple[int, int]] = []
+    pusher = PagePusher(lambda ino, off, data: stored.append((off, len(data))), ReadStats())
+    push = pusher.bind(1, lambda: ra.asked_end)
+    push(0, bytes(1 << 20))  # all asked: dropped
+    push((1 << 20) - PAGE, bytes(3 * PAGE))  # the asked page is cut off
+    push(2 << 20, bytes(PAGE))  # beyond: stored whole
+    wait_for(lambda: len(stored) == 2, 5, "two stores")
+    assert stored == [(1 << 20, 2 * PAGE), (2 << 20, PAGE)]
+    assert pusher.stats.snapshot()["push_skipped"] == 1
+    pusher.close()
