@@ -118,6 +118,7 @@ def serve(
     """
     import pyfuse3
     import pyfuse3.asyncio
+    from hypermesh.chunkfs import fusewait
     from hypermesh.chunkfs.fs import ChunkFS
     from hypermesh.chunkfs.pagepush import PagePusher
 
@@ -169,6 +170,7 @@ def serve(
     options = set(pyfuse3.default_options)
     options |= {f"fsname=chunkfs:{root.name}@{root.version}", "subtype=chunkfs"}
     pyfuse3.asyncio.enable()
+    fusewait.install()
     try:
         pyfuse3.init(ops, str(mountpoint), options)
     except RuntimeError as exc:

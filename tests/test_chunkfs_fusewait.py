@@ -1,0 +1,118 @@
+"""The FUSE device wait (chunkfs/fusewait.py) on a real pipe: wakes, stale events, idling."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from hypermesh.chunkfs import fusewait
+from hypermesh.chunkfs.fusewait import DeviceWait
+
+
+def run(coro: object) -> None:
+    asyncio.run(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
+
+
+def test_a_waiting_task_wakes_per_request_and_the_device_stays_registered() -> None:
+    async def main() -> None:
+        r, w = os.pipe()
+        try:
+            dev = DeviceWait(asyncio.get_running_loop(), r)
+            for _ in range(5):
+                waiting = asyncio.ensure_future(dev.wait())
+                await asyncio.sleep(0.01)
+                assert not waiting.done()  # nothing to read yet
+                os.write(w, b"x")
+                await waiting
+                assert os.read(r, 1) == b"x"  # the woken task reads its request
+            assert dev.registrations == 1 and dev.watching
+        finally:
+            os.close(r)
+            os.close(w)
+
+    run(main())
+
+
+def test_a_stale_event_never_wakes_a_task_when_nothing_is_readable() -> None:
+    """An event seen before the last request was read must not wake the next waiter:
+    on the real device that waiter would block the loop in its read."""
+
+    async def main() -> None:
+        r, w = os.pipe()
+        try:
+            dev = DeviceWait(asyncio.get_running_loop(), r)
+            waiting = asyncio.ensure_future(dev.wait())
+            await asyncio.sleep(0)
+            os.write(w, b"x")
+            await waiting
+            assert os.read(r, 1) == b"x"
+            second = asyncio.ensure_future(dev.wait())
+            await asyncio.sleep(0)
+            dev._readable()  # what a stale readiness event calls
+            await asyncio.sleep(0.05)
+            assert not second.done()
+            os.write(w, b"y")
+            await second
+            assert os.read(r, 1) == b"y"
+        finally:
+            os.close(r)
+            os.close(w)
+
+    run(main())
+
+
+def test_unread_requests_with_nobody_waiting_unregister_the_device() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        r, w = os.pipe()
+        try:
+            dev = DeviceWait(loop, r)
+            waiting = asyncio.ensure_future(dev.wait())
+            await asyncio.sleep(0)
+            os.write(w, b"ab")
+            await waiting  # woken, and the task "stays busy": nobody reads or waits
+            await asyncio.sleep(0.05)
+            assert not dev.watching  # unregistered after IDLE_FIRES events: no spinning
+            again = asyncio.ensure_future(dev.wait())
+            await again  # registered again and woken for the request still there
+            assert dev.registrations == 2
+            assert os.read(r, 2) == b"ab"
+        finally:
+            os.close(r)
+            os.close(w)
+
+    run(main())
+
+
+def test_closing_fails_the_waiting_task_and_one_waiter_at_a_time() -> None:
+    import pyfuse3.asyncio
+
+    async def main() -> None:
+        r, w = os.pipe()
+        try:
+            waiting = asyncio.ensure_future(fusewait.wait_readable(r))
+            await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="already waits"):
+                await fusewait._waits[r].wait()
+            fusewait.notify_closing(r)
+            with pytest.raises(pyfuse3.asyncio.ClosedResourceError):
+                await waiting
+            assert r not in fusewait._waits
+        finally:
+            os.close(r)
+            os.close(w)
+
+    run(main())
+
+
+def test_install_makes_pyfuse3_wait_through_this_module() -> None:
+    import pyfuse3.asyncio
+
+    stock = pyfuse3.asyncio.wait_readable, pyfuse3.asyncio.notify_closing
+    try:
+        fusewait.install()
+        assert pyfuse3.asyncio.wait_readable is fusewait.wait_readable
+        assert pyfuse3.asyncio.notify_closing is fusewait.notify_closing
+    finally:
+        pyfuse3.asyncio.wait_readable, pyfuse3.asyncio.notify_closing = stock
