@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypermesh.chunkfs import fusewait
@@ -14,10 +16,19 @@ def run(coro: object) -> None:
     asyncio.run(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def pipe() -> Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    try:
+        yield r, w
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_waiting_task_wakes_per_request_and_the_device_stays_registered() -> None:
     async def main() -> None:
-        r, w = os.pipe()
-        try:
+        with pipe() as (r, w):
             dev = DeviceWait(asyncio.get_running_loop(), r)
             for _ in range(5):
                 waiting = asyncio.ensure_future(dev.wait())
@@ -27,9 +38,6 @@ def test_a_waiting_task_wakes_per_request_and_the_device_stays_registered() -> N
                 await waiting
                 assert os.read(r, 1) == b"x"  # the woken task reads its request
             assert dev.registrations == 1 and dev.watching
-        finally:
-            os.close(r)
-            os.close(w)
 
     run(main())
 
@@ -39,8 +47,7 @@ def test_a_stale_event_never_wakes_a_task_when_nothing_is_readable() -> None:
     on the real device that waiter would block the loop in its read."""
 
     async def main() -> None:
-        r, w = os.pipe()
-        try:
+        with pipe() as (r, w):
             dev = DeviceWait(asyncio.get_running_loop(), r)
             waiting = asyncio.ensure_future(dev.wait())
             await asyncio.sleep(0)
@@ -55,9 +62,6 @@ def test_a_stale_event_never_wakes_a_task_when_nothing_is_readable() -> None:
             os.write(w, b"y")
             await second
             assert os.read(r, 1) == b"y"
-        finally:
-            os.close(r)
-            os.close(w)
 
     run(main())
 
@@ -65,8 +69,7 @@ def test_a_stale_event_never_wakes_a_task_when_nothing_is_readable() -> None:
 def test_unread_requests_with_nobody_waiting_unregister_the_device() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        r, w = os.pipe()
-        try:
+        with pipe() as (r, w):
             dev = DeviceWait(loop, r)
             waiting = asyncio.ensure_future(dev.wait())
             await asyncio.sleep(0)
@@ -78,9 +81,6 @@ def test_unread_requests_with_nobody_waiting_unregister_the_device() -> None:
             await again  # registered again and woken for the request still there
             assert dev.registrations == 2
             assert os.read(r, 2) == b"ab"
-        finally:
-            os.close(r)
-            os.close(w)
 
     run(main())
 
@@ -89,8 +89,7 @@ def test_closing_fails_the_waiting_task_and_one_waiter_at_a_time() -> None:
     import pyfuse3.asyncio
 
     async def main() -> None:
-        r, w = os.pipe()
-        try:
+        with pipe() as (r, _w):
             waiting = asyncio.ensure_future(fusewait.wait_readable(r))
             await asyncio.sleep(0)
             with pytest.raises(RuntimeError, match="already waits"):
@@ -99,9 +98,6 @@ def test_closing_fails_the_waiting_task_and_one_waiter_at_a_time() -> None:
             with pytest.raises(pyfuse3.asyncio.ClosedResourceError):
                 await waiting
             assert r not in fusewait._waits
-        finally:
-            os.close(r)
-            os.close(w)
 
     run(main())
 
