@@ -52,6 +52,7 @@ from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
+from hypermesh.chunkfs.holdings import write_reads
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
@@ -195,11 +196,21 @@ def serve(
 
 async def _flush_records(cache: ChunkCache) -> None:
     """Write changed ``.have`` records every ``HAVE_FLUSH_INTERVAL`` even when no more
-    blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up."""
+    blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up;
+    and the blocks served by source (``holdings.READS_FILE``), for the agent's hit rates."""
+    written: dict[str, int] | None = None
     while True:
         await asyncio.sleep(HAVE_FLUSH_INTERVAL)
         if cache.dirty():
             await asyncio.to_thread(cache.flush)
+        snap = cache.stats.snapshot()["blocks"]
+        blocks = dict(snap) if isinstance(snap, dict) else {}
+        if blocks != written:
+            try:
+                await asyncio.to_thread(write_reads, cache.root, blocks)
+                written = blocks
+            except OSError as exc:
+                log.warning("could not record the reads by source: %s", exc)
 
 
 async def _main(

@@ -37,7 +37,7 @@ class CountingProxy:
                         proxy.gets[self.path.split("?", 1)[0]] += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
-                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                conn = http.client.HTTPConnection(target.netloc, timeout=30)
                 try:
                     headers = {k: v for k, v in self.headers.items()
                                if k.lower() not in HOP_BY_HOP}

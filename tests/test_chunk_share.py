@@ -53,6 +53,7 @@ class Pair:
     b: Node
     chunks: tuple[ChunkInfo, ...]
     data: dict[str, bytes]
+    mesh: Mesh
 
 
 def locate(node: Node, chunk: ChunkInfo) -> agent_pb2.LocateChunksReply:
@@ -95,7 +96,7 @@ def pair(
                     env=dict(os.environ, HYPERMESH_S3_ENDPOINT=proxy.endpoint),
                 )
                 nodes.append(Node(agent, proxy, mount.start()))
-            yield Pair(nodes[0], nodes[1], root.chunks, data)
+            yield Pair(nodes[0], nodes[1], root.chunks, data, mesh)
         finally:
             for node in nodes:
                 node.mount.stop()
@@ -113,6 +114,17 @@ def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
     assert b.blocks("peer") == 3 and b.blocks("store") == 0
     # b advertises it too now; a peer's cache counts like any other
     wait_for(lambda: holders(a, first) == {"a", "b"}, 20, "a to learn that b holds it")
+
+    def rates() -> dict[str, dict[str, float] | None]:
+        return {r["name"]: r["hit_rates"] for r in pair.mesh.hm_json("nodes")}
+
+    # hit rates by source reach `hypermesh nodes`: b read nothing from the store
+    wait_for(lambda: all(rates().values()), 20, "both nodes' hit rates in gossip")
+    seen = rates()
+    assert seen["a"] is not None and seen["a"]["store"] > 0 and seen["a"]["peer"] == 0
+    assert seen["b"] is not None and seen["b"]["store"] == 0 and seen["b"]["peer"] > 0
+    table = pair.mesh.hm("nodes", check=True).stdout
+    assert "HITS C/P/S %" in table
 
 
 def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
