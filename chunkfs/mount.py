@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
+from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
@@ -442,7 +442,10 @@ def mount(
         return
     if die_with_parent:
         _die_with_parent()
-    peer_fetch = AgentPeerFetch(agent) if agent else None
+    # a peer's trouble must leave the read time to reach the store within its deadline
+    peer_fetch = None
+    if agent:
+        peer_fetch = AgentPeerFetch(agent, min(AGENT_TIMEOUT_S, fetch.deadline_s / 2))
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
               fetch=fetch, peer_fetch=peer_fetch, ready=report, push_pages=push_pages)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.format import ChunkInfo, chunk_key
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
@@ -139,6 +140,7 @@ def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
     assert b.read("a.bin") == pair.data["a.bin"]
     assert b.blocks("peer") == 2 and b.blocks("store") == 1  # block 1 from the store
+    assert b.mount.stats()["reads"]["peer_corrupt_blocks"] == 1
     assert b.gets(first) == 1
 
 
@@ -184,3 +186,13 @@ def test_two_nodes_missing_a_chunk_together_fetch_it_from_the_store_once(pair: P
     assert waited.blocks("peer") == 3 and fetched.blocks("peer") == 0
     assert locate(waited, first).counters["cold_from_winner"] >= 1
     assert locate(fetched, first).counters["cold_won"] >= 1
+
+
+def test_a_mount_whose_agent_does_not_answer_reads_the_store() -> None:
+    fetch = AgentPeerFetch("127.0.0.1:1", timeout_s=2.0)  # nothing listens on port 1
+    try:
+        assert fetch("ab" * 32, 0, MiB) is None
+    finally:
+        fetch.close()
+    with pytest.raises(ValueError, match="timeout_s"):
+        AgentPeerFetch("127.0.0.1:1", timeout_s=0)
