@@ -10,7 +10,9 @@ module feeds it and carries out what it says:
   date is fetched whole with the ``ChunkSet`` RPC.
 * **Serve.** ``ReadChunk`` answers from the caches' records (:meth:`read_local`).
 * **Fetch.** A mount of this node asks ``FetchFromPeers`` (:meth:`fetch`): the agent
-  asks the holders in rendezvous order, each with a ``peer_timeout_s`` deadline; no
+  asks the holders in rendezvous order, each with a ``peer_timeout_s`` deadline, and
+  passes the first one's pieces on as they arrive (a peer that fails half-way ends the
+  mount's call with an error, and the mount reads the range from the store); no
   holder known means a cold run, and only one node fetches a cold run from the store
   (:meth:`_race`): the others wait for it (bounded) and read it from that node.
 
@@ -25,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 from hypermesh.agent.chunk_peers import ChunkPeers
@@ -43,6 +45,13 @@ log = logging.getLogger(__name__)
 PIECE = 1 << 20  # bytes per streamed message
 MAX_RANGE = 256 << 20  # the most one ReadChunk may ask for
 LEASE_REUSE_S = 1.0  # a fetch lease names keys for at most this long after its grant
+
+
+ReadCall: TypeAlias = "grpc.aio.UnaryStreamCall[agent_pb2.ReadChunkRequest, agent_pb2.ChunkBytes]"
+
+
+class PeerLost(Exception):
+    """A peer failed in the middle of a transfer that was being passed on."""
 
 
 class ChunkShare:
@@ -146,47 +155,50 @@ class ChunkShare:
         return data
 
     # ------------------------------------------------------------ fetching
-    async def fetch(self, chunk: str, offset: int, length: int) -> bytes | None:
-        """The range from a peer, or None: the caller reads it from the store."""
+    async def fetch(self, chunk: str, offset: int, length: int) -> AsyncIterator[bytes]:
+        """The range from a peer, as the peer's pieces in order (forwarded as they
+        arrive); no pieces at all means: read it from the store. Raises
+        :class:`PeerLost` when a peer fails after its first piece was passed on (the
+        caller must end its answer with an error, never a short one)."""
         holders = self.peers.peer_holders(chunk)
         for member in holders[: self.cfg.peer_tries]:
-            data = await self._read_from(member, chunk, offset, length, self.cfg.peer_timeout_s)
-            if data is not None:
+            opened = await self._open(member, chunk, offset, length, self.cfg.peer_timeout_s)
+            if opened is not None:
+                async for piece in self._forward(member, length, *opened):
+                    yield piece
                 self.counters["peer_fetches"] += 1
-                self.counters["peer_bytes"] += len(data)
-                return data
+                return
         if holders:
             self.counters["peer_misses"] += 1
-            return None  # holders known but none answered: no race, to the store
-        return await self._cold(chunk, offset, length)
-
-    async def _cold(self, chunk: str, offset: int, length: int) -> bytes | None:
-        """Nobody holds it: one node fetches it from the store, the others wait for it."""
-        if self.cfg.dedup_wait_s <= 0:
-            return None
-        winner = await self._race(chunk, offset, length)
+            return  # holders known but none answered: no race, to the store
+        winner = await self._race(chunk, offset) if self.cfg.dedup_wait_s > 0 else None
         if winner is None or winner == self.agent.cfg.name:
             self.counters["cold_won"] += 1
-            return None
+            return
+        # Cold, and another node fetches it from the store: wait (bounded) until it has it.
         self.counters["cold_waited"] += 1
         deadline = time.monotonic() + self.cfg.dedup_wait_s
         while (left := deadline - time.monotonic()) > 0:
-            data = await self._read_from(
-                winner, chunk, offset, length, min(self.cfg.peer_timeout_s, left)
-            )
-            if data is not None:
+            timeout = min(self.cfg.peer_timeout_s, left)
+            opened = await self._open(winner, chunk, offset, length, timeout)
+            if opened is not None:
+                async for piece in self._forward(winner, length, *opened):
+                    yield piece
                 self.counters["cold_from_winner"] += 1
-                return data
+                return
             if self._address(winner) is None:
-                break  # the winner is gone
+                return  # the winner is gone
             await asyncio.sleep(min(self.cfg.dedup_poll_s, max(0.0, left)))
-        return None
 
-    async def _race(self, chunk: str, offset: int, length: int) -> str | None:
-        """Who fetches this cold range from the store: this node's name when it won,
-        the winner's, or None when etcd does not answer (then everyone reads it)."""
+    async def _race(self, chunk: str, offset: int) -> str | None:
+        """Who fetches the cold segment of ``chunk`` at ``offset`` from the store: this
+        node's name when it won, the winner's, or None when etcd does not answer (then
+        everyone reads it). Nodes race per segment (``dedup_segment_bytes``), not per
+        run: readers split a chunk into runs at different places, and a winner reading
+        on sequentially covers the others' runs of its segment."""
         a = self.agent
-        key = a.ks.fetching(chunk, offset, length)
+        segment = self.cfg.dedup_segment_bytes
+        key = a.ks.fetching(chunk, offset // segment * segment, segment)
         me = a.cfg.name.encode()
         try:
             lease = await self._fetch_lease()
@@ -210,25 +222,54 @@ class ChunkShare:
                 self._lease = (lease, now)
             return lease
 
-    async def _read_from(
+    async def _open(
         self, member: str, chunk: str, offset: int, length: int, timeout: float
-    ) -> bytes | None:
+    ) -> tuple[ReadCall, bytes] | None:
+        """A ``ReadChunk`` call to ``member`` that has sent its first piece (the call's
+        deadline, ``timeout``, bounds the whole transfer), or None: not held there,
+        gone, or too slow to start."""
         address = self._address(member)
         if address is None:
             return None
         request = agent_pb2.ReadChunkRequest(chunk=chunk, offset=offset, length=length)
-        parts: list[bytes] = []
+        call: ReadCall = self._stub(address).ReadChunk(request, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
-                call = self._stub(address).ReadChunk(request, timeout=timeout)
-                async for piece in call:
-                    parts.append(piece.data)
+                first = await call.read()
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            call.cancel()
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
             log.debug("ReadChunk %s@%d+%d from %s: %s", chunk, offset, length, member, code)
             return None
-        data = b"".join(parts)
-        return data if len(data) == length else None
+        if not isinstance(first, agent_pb2.ChunkBytes) or not first.data:
+            call.cancel()
+            return None
+        return call, first.data
+
+    async def _forward(
+        self, member: str, length: int, call: ReadCall, first: bytes
+    ) -> AsyncIterator[bytes]:
+        """``first`` and the rest of an opened call's pieces; :class:`PeerLost` if it
+        fails or sends other than ``length`` bytes in all."""
+        sent = 0
+        try:
+            piece = first
+            while True:
+                sent += len(piece)
+                if sent > length:
+                    raise PeerLost(f"{member} sent more than the {length} bytes asked for")
+                self.counters["peer_bytes"] += len(piece)
+                yield piece
+                message = await call.read()
+                if not isinstance(message, agent_pb2.ChunkBytes):  # the end of the stream
+                    break
+                piece = message.data
+        except grpc.aio.AioRpcError as exc:
+            raise PeerLost(f"{member} failed after {sent} bytes: {exc.code()}") from exc
+        finally:
+            call.cancel()
+        if sent != length:
+            raise PeerLost(f"{member} sent {sent} of {length} bytes")
 
     # ------------------------------------------------------------ plumbing
     def _address(self, member: str) -> str | None:
