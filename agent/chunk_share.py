@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 PIECE = 1 << 20  # bytes per streamed message
 MAX_RANGE = 256 << 20  # the most one ReadChunk may ask for
 LEASE_REUSE_S = 1.0  # a fetch lease names keys for at most this long after its grant
+WON_MAX = 4096  # segments won remembered before expired ones are dropped
 
 
 ReadCall: TypeAlias = "grpc.aio.UnaryStreamCall[agent_pb2.ReadChunkRequest, agent_pb2.ChunkBytes]"
@@ -69,6 +70,7 @@ class ChunkShare:
         self._lease = (0, -math.inf)  # (fetch lease id, monotonic time of its grant)
         self._lease_lock = asyncio.Lock()
         self._ticked_at = -math.inf
+        self._won: dict[tuple[str, int], float] = {}  # (chunk, segment) -> held until
 
     # ------------------------------------------------------------ advertising
     def scanned(self, held: Iterable[str]) -> None:
@@ -112,7 +114,11 @@ class ChunkShare:
         self._snapshot_at[member] = now
         task = asyncio.create_task(self._fetch_snapshot(member, address))
         self._snapshots[member] = task
-        task.add_done_callback(lambda _t: self._snapshots.pop(member, None))
+        task.add_done_callback(lambda t: self._snapshot_done(member, t))
+
+    def _snapshot_done(self, member: str, task: asyncio.Task[None]) -> None:
+        if self._snapshots.get(member) is task:  # not a newer fetch started since
+            del self._snapshots[member]
 
     async def _fetch_snapshot(self, member: str, address: str) -> None:
         try:
@@ -198,18 +204,30 @@ class ChunkShare:
         on sequentially covers the others' runs of its segment."""
         a = self.agent
         segment = self.cfg.dedup_segment_bytes
-        key = a.ks.fetching(chunk, offset // segment * segment, segment)
+        start = offset // segment * segment
+        now = time.monotonic()
+        if self._won.get((chunk, start), -math.inf) > now:
+            return a.cfg.name  # this node won it a moment ago: its key still stands
+        key = a.ks.fetching(chunk, start, segment)
         me = a.cfg.name.encode()
         try:
             lease = await self._fetch_lease()
             won = await a.etcd.txn([a.etcd.absent(key)], [a.etcd.op_put(key, me, lease)])
             if won.succeeded:
+                self._remember_won((chunk, start), now)
                 return a.cfg.name
             found = await a.etcd.get(key)
         except HypermeshError as exc:
             log.debug("racing for %s: %s", key, exc)
             return None
         return found[0].decode() if found is not None else None
+
+    def _remember_won(self, segment: tuple[str, int], now: float) -> None:
+        """Segments this node won, until a little before their key can expire (the
+        lease was granted up to ``LEASE_REUSE_S`` before the key was written)."""
+        if len(self._won) > WON_MAX:
+            self._won = {k: t for k, t in self._won.items() if t > now}
+        self._won[segment] = now + self.cfg.dedup_wait_s - LEASE_REUSE_S
 
     async def _fetch_lease(self) -> int:
         """A lease of ``dedup_wait_s`` for fetching keys, granted at most a second ago
