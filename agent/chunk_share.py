@@ -81,11 +81,18 @@ class ChunkShare:
                       len(delta.removed))
 
     def member_state(self, member: str, state: str) -> None:
+        """A member's gossip state changed. One that (re)appears is looked at at once:
+        its meta may not change again for a while."""
         self.peers.member_state(member, state)
         if state not in ("alive", "suspect"):
             task = self._snapshots.pop(member, None)
             if task is not None:
                 task.cancel()
+            return
+        swim = self.agent.gossip.swim
+        view = swim.member(member) if swim is not None else None
+        if view is not None and member != self.agent.cfg.name:
+            self.observe(member, view.meta)
 
     def observe(self, member: str, meta: dict[str, object]) -> None:
         """A peer's new gossip meta (a change, or a push-pull that brought it)."""
