@@ -64,7 +64,7 @@ class ChunkShare:
         self.peers = ChunkPeers(agent.cfg.name, cfg.max_delta_bytes)
         self.counters: dict[str, int] = dict.fromkeys(
             ("served", "served_bytes", "peer_fetches", "peer_bytes", "peer_misses",
-             "cold_won", "cold_waited", "cold_from_winner"), 0)
+             "cold_won", "cold_waited", "cold_from_winner", "snapshots"), 0)
         self._snapshots: dict[str, asyncio.Task[None]] = {}
         self._snapshot_at: dict[str, float] = {}
         self._lease = (0, -math.inf)  # (fetch lease id, monotonic time of its grant)
@@ -139,6 +139,7 @@ class ChunkShare:
             return  # another agent answers at that address now
         try:
             self.peers.load_snapshot(member, {"v": reply.version, "c": list(reply.chunks)})
+            self.counters["snapshots"] += 1
         except ValueError as exc:
             log.warning("bad chunk set from %s: %s", member, exc)
 

@@ -139,6 +139,9 @@ def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
     assert a.read("a.bin") == pair.data["a.bin"]
     assert a.gets(first) >= 1
     wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    with grpc.insecure_channel(a.agent.address) as channel:  # what a peer would fetch whole
+        whole = agent_pb2_grpc.AgentStub(channel).ChunkSet(agent_pb2.ChunkSetRequest(), timeout=5)
+    assert whole.node == "a" and first.id in whole.chunks and whole.version >= 1
     assert b.read("a.bin") == pair.data["a.bin"]
     assert b.gets(first) == 0
     assert b.blocks("peer") == 3 and b.blocks("store") == 0
