@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -47,8 +48,13 @@ def shown(css: str) -> Callable[[WebDriver], bool]:
 
 
 def text_of(driver: WebDriver, css: str) -> str:
+    """The first match's text; "" when none, or when the page re-rendered it between
+    finding and reading (tables are rebuilt on every poll): the wait asks again."""
     found = driver.find_elements(By.CSS_SELECTOR, css)
-    return found[0].text if found else ""
+    try:
+        return found[0].text if found else ""
+    except StaleElementReferenceException:
+        return ""
 
 
 def test_dashboard_shows_a_workflow_progress_and_a_task_log(
