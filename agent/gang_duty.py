@@ -96,8 +96,11 @@ class GangDuty:
         agent = self.agent
         await agent._mirror_ready.wait()
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+            # arrives as the event fires, and the agent's stop would wait for this loop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
+                async with asyncio.timeout(TICK_S):
+                    await self._wake.wait()
             self._wake.clear()
             if agent.lease_is_lost or agent.view.revision < self.written_revision:
                 continue
