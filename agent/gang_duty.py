@@ -244,11 +244,27 @@ class GangDuty:
         if m.rank == 0:
             m.outcome = end
         else:
-            with contextlib.suppress(EtcdUnavailable, LeaseLost):
-                self._wrote(await gang_txns.member_end(
-                    agent.etcd, agent.ks, ref, n, m.rank, end, rdv.revision, m.seat_revision
-                ))
+            await self._report_end(m, rdv, end)
         self.wake()
+
+    async def _report_end(self, m: gang.Member, rdv: Rendezvous, end: MemberEnd) -> None:
+        """Record a member's end for rank 0, retried while etcd is away and our lease is
+        fresh (rank 0 waits for it); a fenced-off write (the attempt is over) is dropped."""
+        agent = self.agent
+        delay = 0.1
+        while not agent.lease_is_lost and agent.lease_fresh():
+            try:
+                self._wrote(await gang_txns.member_end(
+                    agent.etcd, agent.ks, m.ref, rdv.attempt, m.rank, end, rdv.revision,
+                    m.seat_revision,
+                ))
+                return
+            except LeaseLost:
+                return
+            except EtcdUnavailable as exc:
+                log.warning("%s: recording %s rank %d: %s", agent.cfg.name, m.ref, m.rank, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     async def _process(self, m: gang.Member, rdv: Rendezvous) -> MemberEnd:
         agent = self.agent
