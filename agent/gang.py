@@ -181,7 +181,7 @@ def _stopped(view: MeshView, ref: TaskRef) -> bool:
 
 
 def _member(view: MeshView, node: NodeRecord, m: Member, now: float,
-            cfg: GangConfig) -> Action | None:
+            cfg: GangConfig, accepting: bool) -> Action | None:
     """What to do next about one seat of this node."""
     ref = m.ref
     seat = view.gangs.seats_of(ref).get(m.rank)
@@ -217,14 +217,17 @@ def _member(view: MeshView, node: NodeRecord, m: Member, now: float,
     if ref in view.results or _stopped(view, ref):
         return Leave(ref, "done")
     if rdv is not None:
-        if rdv.attempt > m.attempt and rdv.seats.get(m.rank) == (node.name, m.seat_revision):
+        mine = rdv.seats.get(m.rank) == (node.name, m.seat_revision)
+        if accepting and rdv.attempt > m.attempt and mine:
             return Launch(ref, rdv)
         return None  # an attempt runs (it may not include us): wait for its end
     seats = view.gangs.seats_of(ref)
     exp = view.workflows[ref.workflow].recipe.experiment(ref.experiment)
     if len(seats) < exp.nodes:
         return Leave(ref, "timeout") if now - m.since > cfg.wait_s else None
-    if m.rank != 0 or ref in view.claims:
+    if now - m.since > 2 * cfg.wait_s:
+        return Leave(ref, "timeout")  # full, yet it did not start (no workers slot free)
+    if m.rank != 0 or ref in view.claims or not accepting:
         return None
     attempts = view.attempts.get(ref, {})
     last = attempts[max(attempts)] if attempts else None
@@ -277,19 +280,22 @@ def plan(
     free_slots: int,
     now: float,
     cfg: GangConfig,
+    accepting: bool = True,
 ) -> list[Action]:
     """This node's next gang actions: one per seat it holds, then at most one join
-    (only with a free slot, and only while it waits in no gang that has not filled)."""
+    (only with a free slot, and only while it waits in no gang that has not filled).
+    A node that is not ``accepting`` (it drains) starts, launches and joins nothing;
+    it still stops, records and leaves."""
     actions: list[Action] = []
     for m in members.values():
-        action = _member(view, node, m, now, cfg)
+        action = _member(view, node, m, now, cfg, accepting)
         if action is not None:
             actions.append(action)
     waiting = any(
         not m.running and m.outcome is None and m.ref not in view.gangs.rendezvous
         for m in members.values()
     )
-    if free_slots > 0 and not waiting:
+    if accepting and free_slots > 0 and not waiting:
         join = _join(view, node, members, backoff, now)
         if join is not None:
             actions.append(join)

@@ -113,12 +113,10 @@ class GangDuty:
 
     async def _tick(self) -> None:
         agent = self.agent
-        free = 0
-        if not agent._stop.is_set():
-            free = agent.cfg.slots - len(agent.running) - len(self.members)
+        free = agent.cfg.slots - len(agent.running) - len(self.members)
         actions = gang.plan(
             agent.view, agent.record(), self.members, self.backoff, free, time.monotonic(),
-            self.cfg,
+            self.cfg, accepting=not agent._stop.is_set(),
         )
         for action in actions:
             await self._do(action)

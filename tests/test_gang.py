@@ -237,3 +237,23 @@ def test_combine_prefers_counted_failures() -> None:
 def test_gang_config_is_validated() -> None:
     with pytest.raises(ValueError, match="wait_s must be > 0"):
         GangConfig(wait_s=0)
+
+
+def test_a_full_gang_that_cannot_start_gives_its_seats_back_in_time() -> None:
+    feed = mesh("a", "b", recipe=GANG + "    workers: 1\n")
+    feed.slot("w", "train", 0)  # the one workers slot is taken (by gang 1, say)
+    members, _ = full_gang(feed)
+    assert plan(feed, "a", {T0: members["a"]}, now=9.0, free=0) == []
+    assert plan(feed, "a", {T0: members["a"]}, now=10.5, free=0) == [gang.Leave(T0, "timeout")]
+
+
+def test_a_draining_node_starts_and_joins_nothing_but_still_records() -> None:
+    feed = mesh("a", "b", "c")
+    members, seats = full_gang(feed)
+    a = members["a"]
+    assert gang.plan(feed.view, node("a"), {T0: a}, {}, 1, 0.0, CFG, accepting=False) == []
+    rdv = start(feed, seats)
+    assert gang.plan(feed.view, node("a"), {T0: a}, {}, 1, 0.0, CFG, accepting=False) == []
+    a.attempt, a.outcome = 1, MemberEnd("failed", None, "preempted")
+    (action,) = gang.plan(feed.view, node("a"), {T0: a}, {}, 1, 0.0, CFG, accepting=False)
+    assert action == gang.Record(T0, rdv, MemberEnd("failed", None, "node-lost"), None)

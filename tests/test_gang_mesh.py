@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hypermesh.localmesh import wait_for
-from tests.conftest import Mesh
+from tests.conftest import Mesh, process_gone
 
 # Each rank all-reduces (rank + 1) over the gang with gloo and writes what it got.
 ALL_REDUCE = """
@@ -180,3 +180,23 @@ def test_a_lost_member_restarts_the_gang_from_its_checkpoint(
     assert victim not in {second["0"][3], second["1"][3]}
     assert second["0"][3] != second["1"][3]
     assert int(counter.read_text()) == 20
+
+
+def test_cancelling_a_running_gang_stops_every_member(mesh: Mesh) -> None:
+    mesh.agent("node1", slots=1)
+    mesh.agent("node2", slots=1)
+    wid = mesh.submit(mesh.write_recipe(
+        "experiments:\n  long:\n    nodes: 2\n    command: ['echo $$ > pid-$RANK; sleep 60']\n"))
+    pids = [mesh.root / f"pid-{rank}" for rank in (0, 1)]
+    wait_for(lambda: all(p.exists() and p.read_text().strip() for p in pids), 30,
+             "both members to run")
+    mesh.hm("cancel", wid, check=True)
+    assert mesh.wait_state(wid, {"cancelled"}, timeout=30)["state"] == "cancelled"
+    for pid in pids:
+        wait_for(lambda pid=pid: process_gone(int(pid.read_text())), 15, f"{pid.name} to end")
+    def recorded() -> Any:
+        (task,) = tasks(mesh, wid)
+        return task if task["attempts"][0]["state"] != "running" else None
+
+    task: Any = wait_for(recorded, 15, "rank 0 to record the attempt")
+    assert [(a["state"], a["reason"]) for a in task["attempts"]] == [("cancelled", "cancelled")]
