@@ -192,8 +192,8 @@ def test_cancelling_a_running_gang_stops_every_member(mesh: Mesh) -> None:
              "both members to run")
     mesh.hm("cancel", wid, check=True)
     assert mesh.wait_state(wid, {"cancelled"}, timeout=30)["state"] == "cancelled"
-    for pid in pids:
-        wait_for(lambda pid=pid: process_gone(int(pid.read_text())), 15, f"{pid.name} to end")
+    members = [int(p.read_text()) for p in pids]
+    wait_for(lambda: all(process_gone(pid) for pid in members), 15, "both members to end")
     def recorded() -> Any:
         (task,) = tasks(mesh, wid)
         return task if task["attempts"][0]["state"] != "running" else None
