@@ -47,6 +47,7 @@ actions; it does no I/O and reads no clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from hypermesh.agent.claims import fits
 
@@ -256,8 +257,10 @@ def _join(view: MeshView, node: NodeRecord, members: dict[TaskRef, Member],
                 continue
             if view.experiment_cancelled(wf.id, name) or not fits(exp.hardware, node):
                 continue
-            if (exp.pools and node.pool not in exp.pools) or live_nodes_for(view, exp) < exp.nodes:
+            if exp.pools and node.pool not in exp.pools:
                 continue
+            if live_nodes_for(view, exp, partial(fits, exp.hardware)) < exp.nodes:
+                continue  # it could never fill now
             workers = view.workers(wf.id, exp)
             if workers is not None and len(view.slots.get((wf.id, name), ())) >= workers:
                 continue

@@ -27,13 +27,14 @@ and ``tasks``. No clock is read here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hypermesh.keyspace import TaskRef
 
 if TYPE_CHECKING:
-    from hypermesh.model import MeshView
+    from hypermesh.model import MeshView, NodeRecord
     from hypermesh.recipe import Experiment
 
 
@@ -145,12 +146,17 @@ def combine(ends: dict[int, MemberEnd]) -> MemberEnd:
     return MemberEnd("succeeded", 0, "exit")
 
 
-def live_nodes_for(view: MeshView, exp: Experiment) -> int:
-    """Live nodes that may run a member of ``exp`` (alive, in an allowed pool)."""
+def live_nodes_for(
+    view: MeshView, exp: Experiment, can_run: Callable[[NodeRecord], bool] | None = None
+) -> int:
+    """Live nodes that may run a member of ``exp``: alive, in an allowed pool, and
+    (with ``can_run``, the agent's hardware check) able to run it."""
     return sum(
         1
         for n in view.nodes.values()
-        if n.state == "alive" and (not exp.pools or n.pool in exp.pools)
+        if n.state == "alive"
+        and (not exp.pools or n.pool in exp.pools)
+        and (can_run is None or can_run(n))
     )
 
 

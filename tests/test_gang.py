@@ -257,3 +257,12 @@ def test_a_draining_node_starts_and_joins_nothing_but_still_records() -> None:
     a.attempt, a.outcome = 1, MemberEnd("failed", None, "preempted")
     (action,) = gang.plan(feed.view, node("a"), {T0: a}, {}, 1, 0.0, CFG, accepting=False)
     assert action == gang.Record(T0, rdv, MemberEnd("failed", None, "node-lost"), None)
+
+
+def test_no_seat_while_too_few_nodes_have_the_hardware() -> None:
+    feed = mesh("a", "b", recipe=GANG + "    hardware: {gpus: 1}\n")
+    feed.put(feed.ks.node("a"), NodeRecord("a", "127.0.0.1:1", gpus=1).to_json())
+    with_gpu = NodeRecord("a", "127.0.0.1:1", slots=2, gpus=1)
+    assert gang.plan(feed.view, with_gpu, {}, {}, 1, 0.0, CFG) == []  # b has no GPU
+    feed.put(feed.ks.node("b"), NodeRecord("b", "127.0.0.1:2", gpus=1).to_json())
+    assert gang.plan(feed.view, with_gpu, {}, {}, 1, 0.0, CFG) == [gang.Join(T0, 0)]

@@ -162,9 +162,10 @@ def test_a_lost_member_restarts_the_gang_from_its_checkpoint(
     wid = mesh.submit(mesh.write_recipe(
         "experiments:\n  count:\n    nodes: 2\n    command: ['bash count.sh']\n"))
     counter = mesh.root / ".hm-checkpoints" / f"{wid}.count.0" / "n"
-    wait_for(lambda: counter.exists() and int(counter.read_text() or 0) >= 5, 30,
-             "rank 0 to count to 5")
-    rows = [line.split() for line in (mesh.root / "starts.txt").read_text().splitlines()]
+    starts = mesh.root / "starts.txt"
+    wait_for(lambda: counter.exists() and int(counter.read_text() or 0) >= 5
+             and len(starts.read_text().splitlines()) == 2, 30, "rank 0 to count to 5")
+    rows = [line.split() for line in starts.read_text().splitlines()]
     first = {row[1]: row[3] for row in rows}  # rank -> node of attempt 1
     (task,) = tasks(mesh, wid)
     assert task["node"] == first["0"]  # rank 0 holds the claim
@@ -174,7 +175,7 @@ def test_a_lost_member_restarts_the_gang_from_its_checkpoint(
     (task,) = tasks(mesh, wid)
     assert [(a["attempt"], a["state"], a["reason"], a["node"]) for a in task["attempts"]] == [
         (1, "failed", "node-lost", first["0"]), (2, "succeeded", "exit", task["node"])]
-    rows = [line.split() for line in (mesh.root / "starts.txt").read_text().splitlines()]
+    rows = [line.split() for line in starts.read_text().splitlines()]
     second = {row[1]: row for row in rows if row[0] == "2"}
     assert int(second["0"][2]) >= 5  # the new attempt resumed from the checkpoint
     assert victim not in {second["0"][3], second["1"][3]}
