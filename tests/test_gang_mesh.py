@@ -201,3 +201,35 @@ def test_cancelling_a_running_gang_stops_every_member(mesh: Mesh) -> None:
 
     task: Any = wait_for(recorded, 15, "rank 0 to record the attempt")
     assert [(a["state"], a["reason"]) for a in task["attempts"]] == [("cancelled", "cancelled")]
+
+
+SPAN = 'echo "$HM_NODE $HM_TASK_ID [$CUDA_VISIBLE_DEVICES] $(date +%s.%N) {what}" >> spans.txt'
+
+
+def test_members_book_their_gpus_like_ordinary_tasks(mesh: Mesh) -> None:
+    for name in ("node1", "node2"):
+        mesh.agent(name, slots=4, extra=("--gpus", "2", "--gpu-type", "Tesla T4"))
+    start, end = SPAN.format(what="start"), SPAN.format(what="end")
+    wid = mesh.submit(mesh.write_recipe(f"""
+experiments:
+  solo:
+    samples: 4
+    hardware: {{gpus: 1}}
+    command: ['{start}; sleep 1; {end}']
+  pair:
+    nodes: 2
+    hardware: {{gpus: 2}}
+    command: ['{start}; sleep 1; {end}']
+"""))
+    assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded"
+    spans: dict[tuple[str, str], list[Any]] = {}
+    for line in (mesh.root / "spans.txt").read_text().splitlines():
+        node, task, devices, at, what = line.split()
+        spans.setdefault((node, task), [devices, 0.0, 0.0])[1 if what == "start" else 2] = (
+            float(at))
+    pair = {node: span for (node, task), span in spans.items() if ".pair." in task}
+    assert sorted(pair) == ["node1", "node2"] and all(s[0] == "[0,1]" for s in pair.values())
+    for (node, task), (devices, begin, finish) in spans.items():
+        if ".solo." in task:  # never beside the gang member that holds both GPUs
+            assert devices in ("[0]", "[1]")
+            assert finish <= pair[node][1] or begin >= pair[node][2]
