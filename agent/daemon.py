@@ -309,7 +309,7 @@ class Agent:
             pid = r.process.pid if r.process is not None else None
             if pid is not None:
                 roots.append(TaskRoot(ref.id, r.plan.attempt, pid))
-        return roots
+        return roots + self.gangs.task_roots()
 
     @property
     def lease_is_lost(self) -> bool:

@@ -23,6 +23,7 @@ from hypermesh.agent import gang
 from hypermesh.agent.containers import image_for
 from hypermesh.agent.gpu_pool import visible_devices
 from hypermesh.agent.runner import AttemptProcess, Outcome
+from hypermesh.agent.telemetry import TaskRoot
 
 from hypermesh import gang_txns
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
@@ -74,6 +75,15 @@ class GangDuty:
     def held(self) -> set[TaskRef]:
         """Gang tasks this node holds a seat of: each takes a slot."""
         return set(self.members)
+
+    def task_roots(self) -> list[TaskRoot]:
+        """The first process of each member process running here, for telemetry."""
+        roots = []
+        for ref, process in self.processes.items():
+            pid = process.pid
+            if pid is not None:
+                roots.append(TaskRoot(ref.id, self.members[ref].attempt, pid))
+        return roots
 
     @property
     def busy(self) -> bool:

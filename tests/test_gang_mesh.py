@@ -184,13 +184,23 @@ def test_a_lost_member_restarts_the_gang_from_its_checkpoint(
 
 
 def test_cancelling_a_running_gang_stops_every_member(mesh: Mesh) -> None:
-    mesh.agent("node1", slots=1)
-    mesh.agent("node2", slots=1)
+    for name in ("node1", "node2"):
+        mesh.agent(name, slots=1, extra=("--telemetry-period", "0.3"))
     wid = mesh.submit(mesh.write_recipe(
         "experiments:\n  long:\n    nodes: 2\n    command: ['echo $$ > pid-$RANK; sleep 60']\n"))
     pids = [mesh.root / f"pid-{rank}" for rank in (0, 1)]
     wait_for(lambda: all(p.exists() and p.read_text().strip() for p in pids), 30,
              "both members to run")
+
+    def both_in_top() -> bool:  # each member's processes, on its own node
+        rows = mesh.hm_json("top")
+        return len(rows) == 2 and all(
+            row["telemetry"]
+            and any(t["task_id"] == f"{wid}.long.0" for t in row["telemetry"]["tasks"])
+            for row in rows
+        )
+
+    wait_for(both_in_top, 15, "both members in `hypermesh top`", interval=0.3)
     mesh.hm("cancel", wid, check=True)
     assert mesh.wait_state(wid, {"cancelled"}, timeout=30)["state"] == "cancelled"
     members = [int(p.read_text()) for p in pids]
