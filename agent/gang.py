@@ -215,6 +215,8 @@ def _member(view: MeshView, node: NodeRecord, m: Member, now: float,
         end = combine(ends)
         exp = view.workflows[ref.workflow].recipe.experiment(ref.experiment)
         return Record(ref, rdv, end, view.final_state(ref, end.state, end.reason, exp.retries))
+    if ours:
+        return None  # our process ended: rank 0 records the attempt while we hold the seat
     if ref in view.results or _stopped(view, ref):
         return Leave(ref, "done")
     if rdv is not None:

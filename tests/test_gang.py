@@ -266,3 +266,19 @@ def test_no_seat_while_too_few_nodes_have_the_hardware() -> None:
     assert gang.plan(feed.view, with_gpu, {}, {}, 1, 0.0, CFG) == []  # b has no GPU
     feed.put(feed.ks.node("b"), NodeRecord("b", "127.0.0.1:2", gpus=1).to_json())
     assert gang.plan(feed.view, with_gpu, {}, {}, 1, 0.0, CFG) == [gang.Join(T0, 0)]
+
+
+def test_members_keep_their_seats_until_rank_zero_recorded_a_cancelled_attempt() -> None:
+    feed = mesh("a", "b")
+    members, seats = full_gang(feed)
+    rdv = start(feed, seats)
+    b = members["b"]
+    b.attempt = 1  # its process ended (stopped by the cancel)
+    feed.put(feed.ks.workflow_state("w"), {"state": "cancelled"})
+    assert plan(feed, "b", {T0: b}, free=0) == []  # leaving now would look like a lost member
+    a = members["a"]
+    a.attempt, a.outcome = 1, MemberEnd("cancelled", None, "cancelled")
+    assert plan(feed, "a", {T0: a}, free=0) == [
+        gang.Record(T0, rdv, MemberEnd("cancelled", None, "cancelled"), "cancelled")]
+    feed.delete(feed.ks.gang_rendezvous(T0))
+    assert plan(feed, "b", {T0: b}, free=0) == [gang.Leave(T0, "done")]
