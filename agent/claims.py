@@ -84,6 +84,8 @@ def choose_claims(
             if not open_indices:
                 continue
             exp = wf.recipe.experiment(name)
+            if exp.nodes > 1:
+                continue  # a gang: claimed seat by seat (agent/gang.py)
             if not fits(exp.hardware, node) or (exp.pools and node.pool not in exp.pools):
                 continue
             workers = view.workers(wf.id, exp)

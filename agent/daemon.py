@@ -30,6 +30,7 @@ from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.chunk_share import ChunkShare
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.containers import Containers, image_for
+from hypermesh.agent.gang_duty import GangDuty
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gpu_pool import GpuPool, gpu_source, visible_devices
@@ -47,7 +48,8 @@ from hypermesh.config import AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
-from hypermesh.model import COUNTED_REASONS, Attempt, MeshView, NodeRecord, dumps
+from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
+from hypermesh.recipe import Experiment
 from hypermesh.sampling import expand, expand_more, experiment_seed
 from hypermesh.search import is_adaptive
 from hypermesh.templating import param_env, render
@@ -121,6 +123,7 @@ class Agent:
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
+        self.gangs = GangDuty(self)  # seats in gangs (experiments with nodes > 1)
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self.address = ""
@@ -220,6 +223,7 @@ class Agent:
             asyncio.create_task(self._campaign(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
             asyncio.create_task(self._run_burst(), name="burst"),
+            asyncio.create_task(self.gangs.run(), name="gangs"),
             asyncio.create_task(self.telemetry.run(self._task_roots), name="telemetry"),
         ]
         if self.cfg.spot:
@@ -310,7 +314,7 @@ class Agent:
             pid = r.process.pid if r.process is not None else None
             if pid is not None:
                 roots.append(TaskRoot(ref.id, r.plan.attempt, pid))
-        return roots
+        return roots + self.gangs.task_roots()
 
     @property
     def lease_is_lost(self) -> bool:
@@ -364,6 +368,7 @@ class Agent:
         for r in list(self.running.values()):
             if r.process is not None:
                 r.process.stop("node-lost", grace=0)
+        await self.gangs.lease_lost()
         while self.running:
             await asyncio.sleep(0.05)
         while True:
@@ -380,6 +385,7 @@ class Agent:
     def _on_batch(self, revision: int) -> None:
         self._leader_dirty = True
         self._wake.set()
+        self.gangs.wake()
 
     # ------------------------------------------------------------------ scheduling
     async def _schedule(self) -> None:
@@ -478,6 +484,7 @@ class Agent:
             if r.plan.slot is not None:
                 load.slots_held.add((ref.workflow, ref.experiment, r.plan.slot))
             load.gpus_used += r.gpus
+        load.running |= self.gangs.held()  # a seat in a gang takes a slot
         if self.machine.gpus:
             load.gpu_pool = self.gpu_pool.copy()
             load.gpu_devices = self.gpu_source.devices()
@@ -601,19 +608,7 @@ class Agent:
             )
             if self._stop.is_set():
                 r.process.stop("preempted", grace=self.drain_grace)
-            copier = self.logs.while_running(ref, n, log_path)
-            watch = attempt_watch(self, r, exp, log_path)
-            follower = asyncio.create_task(watch.follow(lambda: process.stop("pruned")))
-            try:
-                outcome = await r.process.run()
-            finally:
-                follower.cancel()
-                if copier is not None:
-                    copier.cancel()
-            try:
-                await watch.finish()
-            except Exception as exc:  # the claim is gone or etcd is away: the result decides
-                self.decide(f"{ref} attempt {n}: metrics not stored: {exc}")
+            outcome = await self.run_watched(r, exp, process, log_path)
             await self._finish(r, exp.retries, started, outcome)
             self.logs.after_end(ref, n, log_path)
         except Exception:
@@ -623,6 +618,27 @@ class Agent:
             self.running.pop(ref, None)
             self.gpu_pool.release(ref)
             self._wake.set()
+
+    async def run_watched(
+        self, r: Running, exp: Experiment, process: AttemptProcess, log_path: Path
+    ) -> Outcome:
+        """Run an attempt's process while its log is copied to the store and its metrics
+        are stored (and pruning asked); the metrics are stored once more at the end."""
+        ref, n = r.plan.ref, r.plan.attempt
+        copier = self.logs.while_running(ref, n, log_path)
+        watch = attempt_watch(self, r, exp, log_path)
+        follower = asyncio.create_task(watch.follow(lambda: process.stop("pruned")))
+        try:
+            outcome = await process.run()
+        finally:
+            follower.cancel()
+            if copier is not None:
+                copier.cancel()
+        try:
+            await watch.finish()
+        except Exception as exc:  # the claim is gone or etcd is away: the result decides
+            self.decide(f"{ref} attempt {n}: metrics not stored: {exc}")
+        return outcome
 
     async def _finish(self, r: Running, retries: int, started: float, outcome: Outcome) -> None:
         ref, n = r.plan.ref, r.plan.attempt
@@ -635,13 +651,8 @@ class Agent:
             started,
             outcome.ended_at,
         )
-        final: str | None = outcome.state
-        if outcome.state == "failed":
-            if outcome.reason in COUNTED_REASONS:
-                failures = self.view.counted_failures(ref) + 1
-                final = "failed" if failures > retries else None
-            else:
-                final = None  # node-lost / preempted: runs again, not counted
+        # node-lost / preempted: runs again, not counted
+        final = self.view.final_state(ref, outcome.state, outcome.reason, retries)
         delay = 0.1
         while True:  # until recorded, or until the claim is surely gone
             try:
@@ -709,7 +720,8 @@ class Agent:
         for r in list(self.running.values()):
             if r.process is not None:
                 r.process.stop("preempted", grace=grace)
+        self.gangs.stop_all("preempted", grace)
         deadline = time.monotonic() + grace + 10
-        while self.running and time.monotonic() < deadline:
+        while (self.running or self.gangs.busy) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.decide("drained")

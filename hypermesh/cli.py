@@ -437,6 +437,7 @@ async def load_view(etcd: Etcd, ks: Keyspace, wid: str | None = None) -> MeshVie
         prefixes = [ks.root]
     else:
         prefixes = [p for p in ks.workflow_prefixes(wid) if p.endswith("/")]
+        prefixes.append(ks.nodes)  # how many nodes could run a waiting gang
     for prefix in prefixes:
         kvs, _ = await etcd.get_prefix(prefix)
         for kv in kvs:
@@ -505,6 +506,8 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
                 f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
             )
             print_best_line(name, e)
+            if "waiting" in e:
+                click.echo(f"    {e['waiting']}")
         c = s["cost"]
         click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
                    f"(on-demand: {c['on_demand_cost']:.4f})")

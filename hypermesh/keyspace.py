@@ -20,6 +20,12 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
 - ``metrics/<wid>/<exp>/<index>/<n>``: metrics attempt n reported (bounded, see
   ``hypermesh.task_metrics``); by the claiming node, fenced like the attempt record.
+- ``gang/<wid>/<exp>/<index>/seat/<rank>``: a member's seat (rank) in the gang of a
+  task of an experiment with ``nodes`` > 1; on the member's lease; by the member.
+- ``gang/<wid>/<exp>/<index>/rdv``: the running gang attempt's rendezvous (attempt,
+  master address and port, the seats it started with); on rank 0's lease.
+- ``gang/<wid>/<exp>/<index>/end/<n>/<rank>``: how rank ``rank`` of attempt n ended;
+  by that member, fenced by the attempt's claim (see ``hypermesh.gangs``).
 - ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
   ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
   ``extend``, each guarded by the key's and the workflow state's revisions.
@@ -137,6 +143,15 @@ class Keyspace:
     def metrics(self, ref: TaskRef, n: int) -> str:
         return f"{self.root}metrics/{ref.path}/{n}"
 
+    def gang_seat(self, ref: TaskRef, rank: int) -> str:
+        return f"{self.root}gang/{ref.path}/seat/{rank}"
+
+    def gang_rendezvous(self, ref: TaskRef) -> str:
+        return f"{self.root}gang/{ref.path}/rdv"
+
+    def gang_end(self, ref: TaskRef, attempt: int, rank: int) -> str:
+        return f"{self.root}gang/{ref.path}/end/{attempt}/{rank}"
+
     def experiment_control(self, wid: str, experiment: str) -> str:
         return f"{self.root}expctl/{wid}/{experiment}"
 
@@ -165,7 +180,8 @@ class Keyspace:
 
     def workflow_prefixes(self, wid: str) -> list[str]:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
-        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics")
+        kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
+                 "gang")
         return [self.workflow(wid), self.workflow_state(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hypermesh.errors import HypermeshError
+from hypermesh.gangs import GangTable, waiting_reason
 from hypermesh.keyspace import Keyspace, TaskRef
 from hypermesh.recipe import Experiment, Recipe
 from hypermesh.sampling import planned_count
@@ -246,6 +247,7 @@ class MeshView:
         self.instances: dict[str, dict[str, Any]] = {}
         self.usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -411,6 +413,9 @@ class MeshView:
         else:
             self.metrics[ref][n] = AttemptMetrics.from_json(data)
 
+    def _apply_gang(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        self.gangs.apply(self._ref(parts), parts[3:], data, mrev)
+
     def _apply_slot(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bucket = self.slots[(parts[0], parts[1])]
         if data is None:
@@ -475,6 +480,16 @@ class MeshView:
             if a.attempt > since and a.state == "failed" and a.reason in COUNTED_REASONS
         )
 
+    def final_state(self, ref: TaskRef, state: str, reason: str, retries: int) -> str | None:
+        """The task's result after an attempt ended ``state`` for ``reason``: None while
+        it runs again (a lost or preempted node, or a counted failure within
+        ``retries``), else ``state``."""
+        if state != "failed":
+            return state
+        if reason not in COUNTED_REASONS:
+            return None
+        return "failed" if self.counted_failures(ref) + 1 > retries else None
+
     def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
         wstate = self.workflow_state(wf.id)
         stopped = wstate == "cancelled" or self.experiment_cancelled(wf.id, exp.name)
@@ -528,8 +543,21 @@ class MeshView:
             "name": wf.name,
             "state": state,
             "submitted_at": wf.submitted_at,
-            "experiments": {name: s.to_json() for name, s in experiments.items()},
+            "experiments": {
+                name: s.to_json() | self._gang_waiting(wf, name) for name, s in experiments.items()
+            },
         }
+
+    def _gang_waiting(self, wf: WorkflowRecord, name: str) -> dict[str, str]:
+        """``{"waiting": why}`` for a gang experiment whose oldest pending task waits."""
+        exp = wf.recipe.experiment(name)
+        if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
+            return {}
+        for index in sorted(self.open.get((wf.id, name), ())):
+            reason = waiting_reason(self, TaskRef(wf.id, name, index), exp)
+            if reason is not None:
+                return {"waiting": reason}
+        return {}
 
     def derived_final_state(self, wid: str) -> str | None:
         """The terminal state the workflow has reached, or None while work remains."""
@@ -563,7 +591,14 @@ class MeshView:
             "attempts": attempts,
             "metrics": self.task_metrics(ref),
             "pruned": self.pruned(ref),
-        }
+        } | self._task_waiting(ref)
+
+    def _task_waiting(self, ref: TaskRef) -> dict[str, str]:
+        wf = self.workflows.get(ref.workflow)
+        if wf is None or self.task_state(ref) != "pending":
+            return {}
+        reason = waiting_reason(self, ref, wf.recipe.experiment(ref.experiment))
+        return {} if reason is None else {"waiting": reason}
 
     def task_metrics(self, ref: TaskRef) -> dict[str, float]:
         """Last metric values of the attempt that decided the task (or the newest that

@@ -152,6 +152,7 @@ class Experiment:
     objective: Objective | None = None
     sampling: str | None = None  # None or "random": drawn up front; "tpe": adaptive
     pruning: str | None = None  # "median": stop trials worse than the median
+    nodes: int = 1  # > 1: each task is a gang of this many members (agent/gang.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -261,7 +262,7 @@ _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
-    "pruning",
+    "pruning", "nodes",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
@@ -345,6 +346,7 @@ class _Checker(MLChecker):
             self.report(entry.key_line, f"{path}.samples", "range parameters need 'samples' "
                         "(how many tasks to draw)")
         workers = optional("workers", self.integer, 1)
+        nodes = optional("nodes", self.integer, 1) or 1
         hardware = optional("hardware", self.hardware) or Hardware()
         self.after(name, given.get("after"), spec.get("after"), path)
         env = {**shared_env, **self.env(spec.get("env"), f"{path}.env")}
@@ -360,6 +362,9 @@ class _Checker(MLChecker):
         pruning = self.choice(spec.get("pruning"), f"{path}.pruning", PRUNERS)
         self.search_rules(entry.key_line, path, sampling, pruning, objective, samples,
                           bool(parameters))
+        if nodes > 1 and pruning is not None:
+            self.report(entry.key_line, f"{path}.pruning", "'pruning' is not supported for "
+                        "gangs ('nodes' above 1)")
         if len(self.problems) > before or command is None:
             return None
         return Experiment(
@@ -367,7 +372,7 @@ class _Checker(MLChecker):
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
-            pruning=pruning,
+            pruning=pruning, nodes=nodes,
         )
 
     # ------------------------------------------------------------------ data sets

@@ -154,6 +154,48 @@ class ClaimPlan:
     OPS = 4  # most operations one plan adds to a transaction
 
 
+def claim_ops(
+    etcd: Etcd, ks: Keyspace, p: ClaimPlan, node: str, lease: int, now: float,
+    extra: dict[str, Any] | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """The compares and operations that claim one plan (``extra``: more claim fields)."""
+    claim = {
+        "node": node,
+        "attempt": p.attempt,
+        "slot": p.slot,
+        "lease": lease,
+        "started_at": now,
+        **(extra or {}),
+    }
+    running = Attempt(p.attempt, node, "running", started_at=now)
+    compare = [
+        etcd.absent(ks.claim(p.ref)),
+        etcd.absent(ks.result(p.ref)),
+        etcd.absent(ks.attempt(p.ref, p.attempt)),
+    ]
+    ops = [
+        etcd.op_put(ks.claim(p.ref), dumps(claim), lease=lease),
+        etcd.op_put(ks.attempt(p.ref, p.attempt), dumps(running.to_json())),
+    ]
+    if p.slot is not None:
+        slot_key = ks.slot(p.ref.workflow, p.ref.experiment, p.slot)
+        compare.append(etcd.absent(slot_key))
+        ops.append(etcd.op_put(slot_key, dumps({"task": p.ref.id}), lease=lease))
+    if p.lost is not None:
+        lost_key = ks.attempt(p.ref, p.lost.attempt)
+        lost = Attempt(
+            p.lost.attempt,
+            p.lost.node,
+            "failed",
+            reason="node-lost",
+            started_at=p.lost.started_at,
+            ended_at=now,
+        )
+        compare.append(etcd.mod_revision_is(lost_key, p.lost.revision))
+        ops.append(etcd.op_put(lost_key, dumps(lost.to_json())))
+    return compare, ops
+
+
 async def claim_tasks(
     etcd: Etcd, ks: Keyspace, plans: Sequence[ClaimPlan], node: str, lease: int, now: float
 ) -> int | None:
@@ -161,39 +203,9 @@ async def claim_tasks(
     compare: list[Any] = []
     ops: list[Any] = []
     for p in plans:
-        claim = {
-            "node": node,
-            "attempt": p.attempt,
-            "slot": p.slot,
-            "lease": lease,
-            "started_at": now,
-        }
-        running = Attempt(p.attempt, node, "running", started_at=now)
-        compare += [
-            etcd.absent(ks.claim(p.ref)),
-            etcd.absent(ks.result(p.ref)),
-            etcd.absent(ks.attempt(p.ref, p.attempt)),
-        ]
-        ops += [
-            etcd.op_put(ks.claim(p.ref), dumps(claim), lease=lease),
-            etcd.op_put(ks.attempt(p.ref, p.attempt), dumps(running.to_json())),
-        ]
-        if p.slot is not None:
-            slot_key = ks.slot(p.ref.workflow, p.ref.experiment, p.slot)
-            compare.append(etcd.absent(slot_key))
-            ops.append(etcd.op_put(slot_key, dumps({"task": p.ref.id}), lease=lease))
-        if p.lost is not None:
-            lost_key = ks.attempt(p.ref, p.lost.attempt)
-            lost = Attempt(
-                p.lost.attempt,
-                p.lost.node,
-                "failed",
-                reason="node-lost",
-                started_at=p.lost.started_at,
-                ended_at=now,
-            )
-            compare.append(etcd.mod_revision_is(lost_key, p.lost.revision))
-            ops.append(etcd.op_put(lost_key, dumps(lost.to_json())))
+        more_compare, more_ops = claim_ops(etcd, ks, p, node, lease, now)
+        compare += more_compare
+        ops += more_ops
     done = await etcd.txn(compare, ops)
     return done.revision if done.succeeded else None
 
@@ -212,6 +224,31 @@ class Finish:
     OPS = 4  # most operations one finish adds to a transaction
 
 
+def finish_ops(etcd: Etcd, ks: Keyspace, f: Finish) -> tuple[list[Any], list[Any]]:
+    """The compares (the claim is still this attempt's, no result yet) and operations
+    (attempt record, claim and slot released, the result if final) of one finish."""
+    ref, attempt = f.ref, f.attempt
+    ops = [
+        etcd.op_put(ks.attempt(ref, attempt.attempt), dumps(attempt.to_json())),
+        etcd.op_delete(ks.claim(ref)),
+    ]
+    if f.slot is not None:
+        ops.append(etcd.op_delete(ks.slot(ref.workflow, ref.experiment, f.slot)))
+    if f.final_state is not None:
+        result = {
+            "state": f.final_state,
+            "attempt": attempt.attempt,
+            "exit_code": attempt.exit_code,
+            "ended_at": attempt.ended_at or time.time(),
+        }
+        ops.append(etcd.op_put(ks.result(ref), dumps(result)))
+    compare = [
+        etcd.mod_revision_is(ks.claim(ref), f.claim_revision),
+        etcd.absent(ks.result(ref)),
+    ]
+    return compare, ops
+
+
 async def finish_attempts(etcd: Etcd, ks: Keyspace, items: Sequence[Finish]) -> int | None:
     """Record several attempts' ends in one transaction (see ``finish_attempt``).
 
@@ -221,25 +258,9 @@ async def finish_attempts(etcd: Etcd, ks: Keyspace, items: Sequence[Finish]) -> 
     compare: list[Any] = []
     ops: list[Any] = []
     for f in items:
-        ref, attempt = f.ref, f.attempt
-        ops += [
-            etcd.op_put(ks.attempt(ref, attempt.attempt), dumps(attempt.to_json())),
-            etcd.op_delete(ks.claim(ref)),
-        ]
-        if f.slot is not None:
-            ops.append(etcd.op_delete(ks.slot(ref.workflow, ref.experiment, f.slot)))
-        if f.final_state is not None:
-            result = {
-                "state": f.final_state,
-                "attempt": attempt.attempt,
-                "exit_code": attempt.exit_code,
-                "ended_at": attempt.ended_at or time.time(),
-            }
-            ops.append(etcd.op_put(ks.result(ref), dumps(result)))
-        compare += [
-            etcd.mod_revision_is(ks.claim(ref), f.claim_revision),
-            etcd.absent(ks.result(ref)),
-        ]
+        more_compare, more_ops = finish_ops(etcd, ks, f)
+        compare += more_compare
+        ops += more_ops
     done = await etcd.txn(compare, ops)
     return done.revision if done.succeeded else None
 

@@ -35,8 +35,24 @@ if ! .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" >.venv/pip
   echo "setup: pip install failed (log above, also in .venv/pip-install.log)" >&2
   exit 1
 fi
+# torch (the `ml` extra) for the gang tests' torch.distributed run: the CPU-only build
+# (about 0.9 GB installed, under a minute here) where the machine's wheel folder has it,
+# else the registry's default build (about 5.4 GB with its CUDA libraries, ~2 minutes).
+if ! .venv/bin/python -c "import torch.distributed as d; assert d.is_gloo_available()" \
+    >/dev/null 2>&1; then
+  echo "setup: installing torch" >&2
+  if ! .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0+cpu" \
+      >.venv/pip-torch.log 2>&1 \
+    && ! .venv/bin/pip install -q --disable-pip-version-check -e ".[ml]" \
+      >.venv/pip-torch.log 2>&1; then
+    cat .venv/pip-torch.log >&2
+    echo "setup: installing torch failed (log above, also in .venv/pip-torch.log)" >&2
+    exit 1
+  fi
+fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.s3server as s; s.weed_binary()
-import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna" \
+import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
+import torch.distributed as d; assert d.is_gloo_available()" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

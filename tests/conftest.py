@@ -8,8 +8,10 @@ stopped when the test ends, passed or failed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -131,6 +133,10 @@ class Mesh:
         return wait_for(done, timeout, f"workflow {wid} to reach {states}", interval=0.2)  # type: ignore[return-value]
 
     def close(self) -> None:
+        for proc in self.agents.values():  # all drain at once, not one after the other
+            if proc.proc is not None and proc.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.proc.send_signal(signal.SIGTERM)
         for proc in self.agents.values():
             proc.terminate(timeout=20)
         unmount_under(self.root)  # whatever a killed agent's mounts left behind
