@@ -33,6 +33,7 @@ from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gpu_pool import GpuPool, gpu_source, visible_devices
 from hypermesh.agent.health import Health
+from hypermesh.agent.locality import Locality
 from hypermesh.agent.metrics import MetricsServer
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
@@ -115,6 +116,10 @@ class Agent:
         self.containers = Containers()
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
+        self.locality = None if cfg.locality_delay is None else Locality(
+            cfg.name, cfg.store, cfg.locality_delay, self.mounts, lambda: self._wake.set(),
+            self.decide, self.gossip.alive,
+        )
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self._finishing: list[tuple[Finish, asyncio.Future[int | None]]] = []
@@ -245,6 +250,8 @@ class Agent:
                 await self.metrics.close()
             await self._server.stop(grace=1.0)
             self.telemetry.close()
+            if self.locality is not None:
+                self.locality.close()
             if self._dashboard_start is not None:
                 self._dashboard_start.cancel()
             if self._dashboard is not None:
@@ -484,7 +491,10 @@ class Agent:
             if self.view.revision < self.written_revision:
                 return  # the watch will bring our own writes and wake us
             load = self._load()
-            plans = choose_claims(self.view, self.record(), load, batch, self.rng)
+            placement = self.locality.placement(self.view) if self.locality else None
+            plans = choose_claims(self.view, self.record(), load, batch, self.rng, placement)
+            if self.locality is not None and placement is not None:
+                self.locality.after_round(placement, self.view)
             if not plans:
                 return
             revision = await claim_tasks(
