@@ -27,6 +27,7 @@ from hypermesh.agent import leader, spot
 from hypermesh.agent.attempt_logs import LogShipper
 from hypermesh.agent.burst import BurstDuty
 from hypermesh.agent.burst_policy import BurstConfig
+from hypermesh.agent.chunk_share import ChunkShare
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.containers import Containers, image_for
 from hypermesh.agent.gossip import Gossip
@@ -38,6 +39,7 @@ from hypermesh.agent.metrics import MetricsServer
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
+from hypermesh.agent.share_config import ShareConfig
 from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
 
 from hypermesh import search
@@ -115,6 +117,8 @@ class Agent:
         self.gossip = Gossip(self, GossipConfig.lan())
         self.containers = Containers()
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
+        share_cfg = ShareConfig.local() if cfg.preset == "local" else ShareConfig.lan()
+        self.share = ChunkShare(self, share_cfg)  # peer chunk sharing; .share.peers.holders()
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
         self.locality = None if cfg.locality_delay is None else Locality(
             cfg.name, cfg.store, cfg.locality_delay, self.mounts, lambda: self._wake.set(),
@@ -187,6 +191,7 @@ class Agent:
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
+        self.mounts.agent_address = self.address
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
         if self.cfg.metrics_listen is not None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,6 @@ CHANNEL_OPTIONS = [
 META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
-HOLDINGS_PERIOD_S = 10.0  # how often the chunk caches on disk are looked at again
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -65,7 +65,7 @@ class Gossip:
         self._sleep_until = 0.0  # when the protocol loop wakes by itself next
         self._sends: set[asyncio.Task[None]] = set()
         self._cached_bytes = 0
-        self._holdings_at = -HOLDINGS_PERIOD_S
+        self._holdings_at = -math.inf
         self._holdings: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ running
@@ -84,6 +84,7 @@ class Gossip:
                 self._send(self.swim.tick(now))
                 self._publish_load(now)
                 await self._act_on_events()
+                self._sync_chunks()
                 delay = min(IDLE_TICK_S, max(0.01, self.swim.next_deadline() - time.monotonic()))
                 self._sleep_until = time.monotonic() + delay
                 self._wake.clear()
@@ -93,6 +94,7 @@ class Gossip:
         finally:
             for task in [*self._sends, *([self._holdings] if self._holdings else [])]:
                 task.cancel()
+            self.agent.share.close()
             for link in self.links.values():
                 await link.close()
             closing = [channel.close() for channel in self.channels.values()]
@@ -136,7 +138,7 @@ class Gossip:
         if self.swim.has_events or self.swim.next_deadline() < self._sleep_until:
             self._wake.set()
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str) -> grpc.aio.Channel:
         channel = self.channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -148,7 +150,7 @@ class Gossip:
             link = self.links.get(out.address)
             if link is None:
                 link = PeerLink(
-                    self._channel(out.address),
+                    self.channel(out.address),
                     self.cfg.probe_timeout,
                     self._on_reply,
                     self._on_failed,
@@ -183,15 +185,18 @@ class Gossip:
             "free_gpus": max(0.0, a.machine.gpus - gpus_used),
             "state": a.state,
             "cached_bytes": self._cached_bytes,
+            "chunks": a.share.peers.meta(),
             # Lifeguard local health: peers skip waiting for a sick leader to act
             "health": self.swim.local_health if self.swim is not None else 0,
         }
 
     def _refresh_holdings(self, now: float) -> None:
-        """Every ``HOLDINGS_PERIOD_S``, count what this node's chunk caches hold (in a
-        thread: it reads a small record per cached chunk). Nothing to do, and no
-        thread, on a node that never mounted a data set."""
-        if now - self._holdings_at < HOLDINGS_PERIOD_S or self._holdings is not None:
+        """Every ``scan_period_s`` (``ShareConfig``), look at what this node's chunk
+        caches hold (in a thread: it reads a small record per cached chunk): the bytes
+        cached and the chunk summary gossip advertises. Nothing to do, and no thread,
+        on a node that never mounted a data set."""
+        period = self.agent.share.cfg.scan_period_s
+        if now - self._holdings_at < period or self._holdings is not None:
             return
         self._holdings_at = now
         mounts = self.agent.mounts
@@ -202,6 +207,7 @@ class Gossip:
             try:
                 held = await asyncio.to_thread(mounts.holdings)
                 self._cached_bytes = sum(h.present_bytes for h in held.values())
+                self.agent.share.scanned(held)
             except Exception:  # a bad cache directory must not stop gossip
                 log.exception("counting the chunk caches failed")
             finally:
@@ -222,6 +228,7 @@ class Gossip:
         assert self.swim is not None
         a = self.agent
         for member, old, new in self.swim.drain_events():
+            a.share.member_state(member, new)
             if old:  # a first sighting ("" -> alive) is not a decision
                 health = self.swim.local_health
                 sick = f" [local health {health}]" if health else ""
@@ -247,6 +254,17 @@ class Gossip:
             task = asyncio.create_task(self._revoke(member, node.lease, delay))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
+
+    def _sync_chunks(self) -> None:
+        """Hand peers' changed metas (chunk summaries) to the chunk share; it fetches
+        snapshots of replicas a delta cannot bring up to date."""
+        assert self.swim is not None
+        share = self.agent.share
+        for member in self.swim.drain_meta_changes():
+            view = self.swim.member(member)
+            if view is not None and member != self.agent.cfg.name:
+                share.observe(member, view.meta)
+        share.tick()
 
     def _sick(self, member: str) -> bool:
         """Whether ``member`` last gossiped a local health too poor to act on deaths."""

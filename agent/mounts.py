@@ -43,6 +43,7 @@ class Mounts:
         self.store_url = store_url
         self.cache_size = cache_size
         self.deadline = deadline
+        self.agent_address = ""  # where mounts ask for chunks from peers; set once serving
         self._mounts: dict[str, asyncio.Task[MountProcess]] = {}
 
     async def ensure(self, spec: str) -> Path:
@@ -75,6 +76,7 @@ class Mounts:
             store_url=self.store_url,
             cache_size=self.cache_size,
             deadline=self.deadline,
+            agent=self.agent_address or None,
         )
         log.info("mounting data set %s at %s", spec, mountpoint)
         return mount.start()
@@ -93,15 +95,18 @@ class Mounts:
         in an earlier run in the same work directory)."""
         return (self.root / "cache").is_dir()
 
+    def cache_roots(self) -> list[Path]:
+        """The chunk cache directories of this node's mounts, now or of earlier runs
+        in the same work directory (blocking: lists a directory)."""
+        try:  # see chunkfs.mount: a mount's cache is <cache dir>/chunks
+            return [p / "chunks" for p in (self.root / "cache").iterdir() if p.is_dir()]
+        except OSError:
+            return []
+
     def holdings(self) -> dict[str, Holding]:
         """What every chunk cache of this node holds, as their records say (blocking:
         it reads one small file per cached chunk)."""
-        caches = self.root / "cache"
-        try:
-            dirs = [p / "chunks" for p in caches.iterdir() if p.is_dir()]  # see chunkfs.mount
-        except OSError:
-            return {}
-        return scan(dirs)
+        return scan(self.cache_roots())
 
     @staticmethod
     def checkpoint_dir(mountpoint: Path, task_id: str) -> Path:

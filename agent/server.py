@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+from hypermesh.agent.chunk_share import stream_pieces
 from hypermesh.agent.gossip_link import serve_stream
 from hypermesh.agent.telemetry import cpu_percent
 
@@ -129,3 +130,46 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     ) -> agent_pb2.Telemetry:
         a = self.agent
         return a.telemetry.message(a.cfg.name, max(0, request.history), a.metrics_address)
+
+    async def ReadChunk(
+        self, request: agent_pb2.ReadChunkRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.ChunkBytes]:
+        try:
+            data = await self.agent.share.read_local(request.chunk, request.offset, request.length)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if data is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"node {self.agent.cfg.name} does not hold chunk {request.chunk} "
+                f"bytes {request.offset}+{request.length}",
+            )
+            return
+        async for piece in stream_pieces(data):
+            yield piece
+
+    async def ChunkSet(
+        self, request: agent_pb2.ChunkSetRequest, context: object
+    ) -> agent_pb2.ChunkSetReply:
+        return self.agent.share.chunk_set()
+
+    async def FetchFromPeers(
+        self, request: agent_pb2.ReadChunkRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.ChunkBytes]:
+        if not request.chunk or request.offset < 0 or request.length <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need a chunk and a range")
+        data = await self.agent.share.fetch(request.chunk, request.offset, request.length)
+        if data is not None:
+            async for piece in stream_pieces(data):
+                yield piece
+
+    async def LocateChunks(
+        self, request: agent_pb2.LocateChunksRequest, context: object
+    ) -> agent_pb2.LocateChunksReply:
+        peers = self.agent.share.peers
+        return agent_pb2.LocateChunksReply(
+            chunks=[
+                agent_pb2.ChunkHolders(chunk=c, nodes=sorted(peers.holders(c)))
+                for c in request.chunks
+            ]
+        )

@@ -1,7 +1,8 @@
 """``hypermesh mount``: serve one data set version at a mount point, in its own process.
 
     hypermesh mount NAME[@VERSION] MOUNTPOINT [--store URL] [--cache-dir DIR]
-                    [--cache-size 20GiB] [--deadline 30s] [--foreground] [--log-file FILE]
+                    [--cache-size 20GiB] [--deadline 30s] [--agent HOST:PORT]
+                    [--foreground] [--log-file FILE]
 
 Without ``--foreground`` the command starts the file system in a detached process and
 returns only once the mount answers (exit 0), or reports why it failed (exit 2 for bad
@@ -12,6 +13,10 @@ exist, FUSE refused to mount). The detached process logs to ``--log-file`` (defa
 
 To unmount: ``fusermount3 -u MOUNTPOINT`` (or SIGTERM/SIGINT to the mount process, which
 unmounts cleanly). A mount process whose mount point was unmounted exits.
+
+With ``--agent`` (mounts an agent starts get it), a chunk missing from the cache is
+asked of that agent first, which reads it from a peer that holds it
+(``chunkfs/agent_fetch.py``); without, it comes from the store.
 
 Inside the mount: the data set (read-only), ``.out/`` (writable, uploaded to the store
 on close: see ``outputs.py``) and ``.chunkfs-stats`` (JSON counters: blocks and bytes
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
@@ -307,6 +313,7 @@ class MountProcess:
         deadline: str = "30s",
         env: dict[str, str] | None = None,
         push_pages: bool = True,
+        agent: str | None = None,
     ) -> None:
         self.spec, self.mountpoint, self.cache_dir = spec, Path(mountpoint), Path(cache_dir)
         self.args = [spec, str(mountpoint), "--cache-dir", str(cache_dir),
@@ -315,6 +322,8 @@ class MountProcess:
             self.args.append("--no-push-pages")
         if store_url:
             self.args += ["--store", store_url]
+        if agent:
+            self.args += ["--agent", agent]
         self.env = env
         self.log_path = self.cache_dir.parent / f"{self.cache_dir.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -371,6 +380,8 @@ class MountProcess:
               help="How long a read retries an unavailable store before it fails (EIO).")
 @click.option("--push-pages/--no-push-pages", default=True, show_default=True,
               help="Store what sequential readahead fetched straight into the page cache.")
+@click.option("--agent", "agent", default=None, metavar="HOST:PORT",
+              help="Ask this agent for chunks from peers before the store (agents pass it).")
 @click.option("--foreground", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Log of the detached mount process [<cache-dir>/mount.log].")
@@ -385,6 +396,7 @@ def mount(
     cache_size: str,
     deadline: str,
     push_pages: bool,
+    agent: str | None,
     foreground: bool,
     log_file: Path | None,
     ready_fd: int | None,
@@ -411,21 +423,27 @@ def mount(
             args.append("--no-push-pages")
         if store_url:
             args += ["--store", store_url]
+        if agent:
+            args += ["--agent", agent]
         log_path = (log_file or cache_dir / "mount.log").absolute()
         _proc, message = spawn_mount(args, log_path=log_path, detach=True)
         _exit_with(message, log_path)
         return
     if die_with_parent:
         _die_with_parent()
+    peer_fetch = AgentPeerFetch(agent) if agent else None
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
-              fetch=fetch, ready=report, push_pages=push_pages)
+              fetch=fetch, peer_fetch=peer_fetch, ready=report, push_pages=push_pages)
     except UsageError as exc:
         report(f"err 2 {exc}")
         sys.exit(2)
     except HypermeshError as exc:
         report(f"err 1 {exc}")
         sys.exit(1)
+    finally:
+        if peer_fetch is not None:
+            peer_fetch.close()
 
 
 def _die_with_parent() -> None:

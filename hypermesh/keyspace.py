@@ -29,6 +29,13 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``event/<ns time>-<node>``: one burst decision; by the leader, the last N kept.
 - ``usage/<pool>``: node-seconds of a pool, spot and on-demand; by the leader.
 - ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
+
+One kind lives beside the namespace, not under it, so that the agents' watch of the
+namespace never sees it (it changes with every cold chunk read):
+
+- ``/hypermesh-fetching/<namespace>/<chunk>/<offset>-<length>``: the node fetching
+  that chunk range from the object store now; on a short lease of its own
+  (``agent/chunk_share.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ class Keyspace:
             )
         self.namespace = namespace
         self.root = f"/hypermesh/{namespace}/"
+
+    def fetching(self, chunk: str, offset: int, length: int) -> str:
+        return f"/hypermesh-fetching/{self.namespace}/{chunk}/{offset}-{length}"
 
     # -- nodes and election
     def node(self, name: str) -> str:

@@ -215,3 +215,53 @@ class Telemetry(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[TaskUsage]
     metrics_address: str
     def __init__(self, node: _Optional[str] = ..., period_s: _Optional[float] = ..., nvml: _Optional[bool] = ..., latest: _Optional[_Union[NodeSample, _Mapping]] = ..., history: _Optional[_Iterable[_Union[NodeSample, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class ReadChunkRequest(_message.Message):
+    __slots__ = ("chunk", "offset", "length")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    chunk: str
+    offset: int
+    length: int
+    def __init__(self, chunk: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ChunkBytes(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ChunkSetRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChunkSetReply(_message.Message):
+    __slots__ = ("node", "version", "chunks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    version: int
+    chunks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., version: _Optional[int] = ..., chunks: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LocateChunksRequest(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunks: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChunkHolders(_message.Message):
+    __slots__ = ("chunk", "nodes")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    chunk: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LocateChunksReply(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ChunkHolders]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHolders, _Mapping]]] = ...) -> None: ...

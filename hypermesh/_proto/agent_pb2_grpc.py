@@ -70,6 +70,26 @@ class AgentStub:
                 request_serializer=agent__pb2.GetTelemetryRequest.SerializeToString,
                 response_deserializer=agent__pb2.Telemetry.FromString,
                 _registered_method=True)
+        self.ReadChunk = channel.unary_stream(
+                '/hypermesh.v1.Agent/ReadChunk',
+                request_serializer=agent__pb2.ReadChunkRequest.SerializeToString,
+                response_deserializer=agent__pb2.ChunkBytes.FromString,
+                _registered_method=True)
+        self.ChunkSet = channel.unary_unary(
+                '/hypermesh.v1.Agent/ChunkSet',
+                request_serializer=agent__pb2.ChunkSetRequest.SerializeToString,
+                response_deserializer=agent__pb2.ChunkSetReply.FromString,
+                _registered_method=True)
+        self.FetchFromPeers = channel.unary_stream(
+                '/hypermesh.v1.Agent/FetchFromPeers',
+                request_serializer=agent__pb2.ReadChunkRequest.SerializeToString,
+                response_deserializer=agent__pb2.ChunkBytes.FromString,
+                _registered_method=True)
+        self.LocateChunks = channel.unary_unary(
+                '/hypermesh.v1.Agent/LocateChunks',
+                request_serializer=agent__pb2.LocateChunksRequest.SerializeToString,
+                response_deserializer=agent__pb2.LocateChunksReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -132,6 +152,39 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadChunk(self, request, context):
+        """Bytes of a chunk this node has cached, in order, in pieces of at most 1 MiB.
+        NOT_FOUND when its caches do not hold every block of the range. Unverified: the
+        reader checks them against the chunk's block digests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChunkSet(self, request, context):
+        """This node's whole chunk summary (version and chunk ids), for a peer whose
+        replica of it cannot be brought up to date by the gossiped delta.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchFromPeers(self, request, context):
+        """For this node's own mounts: a chunk range from a peer that holds it (or, for a
+        cold chunk another node is fetching from the store, from that node once it has
+        it). No bytes (an empty stream) means: read it from the object store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LocateChunks(self, request, context):
+        """Which alive nodes hold these chunks, as this node's gossip view says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +222,26 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.GetTelemetry,
                     request_deserializer=agent__pb2.GetTelemetryRequest.FromString,
                     response_serializer=agent__pb2.Telemetry.SerializeToString,
+            ),
+            'ReadChunk': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadChunk,
+                    request_deserializer=agent__pb2.ReadChunkRequest.FromString,
+                    response_serializer=agent__pb2.ChunkBytes.SerializeToString,
+            ),
+            'ChunkSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChunkSet,
+                    request_deserializer=agent__pb2.ChunkSetRequest.FromString,
+                    response_serializer=agent__pb2.ChunkSetReply.SerializeToString,
+            ),
+            'FetchFromPeers': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchFromPeers,
+                    request_deserializer=agent__pb2.ReadChunkRequest.FromString,
+                    response_serializer=agent__pb2.ChunkBytes.SerializeToString,
+            ),
+            'LocateChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocateChunks,
+                    request_deserializer=agent__pb2.LocateChunksRequest.FromString,
+                    response_serializer=agent__pb2.LocateChunksReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +433,114 @@ class Agent:
             '/hypermesh.v1.Agent/GetTelemetry',
             agent__pb2.GetTelemetryRequest.SerializeToString,
             agent__pb2.Telemetry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hypermesh.v1.Agent/ReadChunk',
+            agent__pb2.ReadChunkRequest.SerializeToString,
+            agent__pb2.ChunkBytes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChunkSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypermesh.v1.Agent/ChunkSet',
+            agent__pb2.ChunkSetRequest.SerializeToString,
+            agent__pb2.ChunkSetReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchFromPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hypermesh.v1.Agent/FetchFromPeers',
+            agent__pb2.ReadChunkRequest.SerializeToString,
+            agent__pb2.ChunkBytes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocateChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hypermesh.v1.Agent/LocateChunks',
+            agent__pb2.LocateChunksRequest.SerializeToString,
+            agent__pb2.LocateChunksReply.FromString,
             options,
             channel_credentials,
             insecure,

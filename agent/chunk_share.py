@@ -1,0 +1,256 @@
+"""Peer chunk sharing, the agent's I/O: advertise, serve, fetch for the node's mounts.
+
+The decisions live in :class:`~hypermesh.agent.chunk_peers.ChunkPeers` (pure); this
+module feeds it and carries out what it says:
+
+* **Advertise.** Every ``scan_period_s`` gossip scans this node's chunk caches
+  (``Mounts.holdings``) and hands the chunk ids to :meth:`ChunkShare.scanned`; the
+  summary's version, digest and last delta go into the gossip meta. Peers' metas
+  arrive through :meth:`ChunkShare.observe`; a replica that a delta cannot bring up to
+  date is fetched whole with the ``ChunkSet`` RPC.
+* **Serve.** ``ReadChunk`` answers from the caches' records (:meth:`read_local`).
+* **Fetch.** A mount of this node asks ``FetchFromPeers`` (:meth:`fetch`): the agent
+  asks the holders in rendezvous order, each with a ``peer_timeout_s`` deadline; no
+  holder known means a cold run, and only one node fetches a cold run from the store
+  (:meth:`_race`): the others wait for it (bounded) and read it from that node.
+
+Bytes from a peer are never trusted here: the mount verifies every block and fetches
+the wrong ones from the store. Owned by the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+import grpc
+from hypermesh.agent.chunk_peers import ChunkPeers
+from hypermesh.agent.share_config import ShareConfig
+from hypermesh.chunkfs.holdings import read_range
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.errors import HypermeshError
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+
+log = logging.getLogger(__name__)
+
+PIECE = 1 << 20  # bytes per streamed message
+MAX_RANGE = 256 << 20  # the most one ReadChunk may ask for
+LEASE_REUSE_S = 1.0  # a fetch lease names keys for at most this long after its grant
+
+
+class ChunkShare:
+    """This node's part in peer chunk sharing; see the module docstring."""
+
+    def __init__(self, agent: Agent, cfg: ShareConfig) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.peers = ChunkPeers(agent.cfg.name, cfg.max_delta_bytes)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("served", "served_bytes", "peer_fetches", "peer_bytes", "peer_misses",
+             "cold_won", "cold_waited", "cold_from_winner"), 0)
+        self._snapshots: dict[str, asyncio.Task[None]] = {}
+        self._snapshot_at: dict[str, float] = {}
+        self._lease = (0, -math.inf)  # (fetch lease id, monotonic time of its grant)
+        self._lease_lock = asyncio.Lock()
+        self._ticked_at = -math.inf
+
+    # ------------------------------------------------------------ advertising
+    def scanned(self, held: Iterable[str]) -> None:
+        """A scan of this node's caches found these chunks (at least one block each)."""
+        delta = self.peers.update_own(held)
+        if delta is not None:
+            log.debug("chunk summary v%d: +%d -%d", delta.version, len(delta.added),
+                      len(delta.removed))
+
+    def member_state(self, member: str, state: str) -> None:
+        self.peers.member_state(member, state)
+        if state not in ("alive", "suspect"):
+            task = self._snapshots.pop(member, None)
+            if task is not None:
+                task.cancel()
+
+    def observe(self, member: str, meta: dict[str, object]) -> None:
+        """A peer's new gossip meta (a change, or a push-pull that brought it)."""
+        if self.peers.observe(member, meta):
+            self._want_snapshot(member)
+
+    def tick(self) -> None:
+        """Retry snapshots of replicas still different from what their owner gossips
+        (looked at once per ``snapshot_retry_s``)."""
+        now = time.monotonic()
+        if now - self._ticked_at < self.cfg.snapshot_retry_s:
+            return
+        self._ticked_at = now
+        for member in self.peers.stale():
+            self._want_snapshot(member)
+
+    def _want_snapshot(self, member: str) -> None:
+        now = time.monotonic()
+        if member in self._snapshots or now - self._snapshot_at.get(member, -math.inf) < (
+            self.cfg.snapshot_retry_s
+        ):
+            return
+        address = self._address(member)
+        if address is None:
+            return
+        self._snapshot_at[member] = now
+        task = asyncio.create_task(self._fetch_snapshot(member, address))
+        self._snapshots[member] = task
+        task.add_done_callback(lambda _t: self._snapshots.pop(member, None))
+
+    async def _fetch_snapshot(self, member: str, address: str) -> None:
+        try:
+            reply = await self._stub(address).ChunkSet(
+                agent_pb2.ChunkSetRequest(), timeout=max(2.0, self.cfg.peer_timeout_s)
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("chunk set of %s: %s", member, exc.code())
+            return
+        if reply.node != member:
+            return  # another agent answers at that address now
+        try:
+            self.peers.load_snapshot(member, {"v": reply.version, "c": list(reply.chunks)})
+        except ValueError as exc:
+            log.warning("bad chunk set from %s: %s", member, exc)
+
+    def chunk_set(self) -> agent_pb2.ChunkSetReply:
+        snap = self.peers.snapshot()
+        return agent_pb2.ChunkSetReply(node=self.agent.cfg.name, version=snap["v"],
+                                       chunks=snap["c"])
+
+    # ------------------------------------------------------------ serving
+    async def read_local(self, chunk: str, offset: int, length: int) -> bytes | None:
+        """The range from this node's caches, if one's record covers it (unverified)."""
+        if not 0 < length <= MAX_RANGE or offset < 0:
+            raise ValueError(f"a range needs offset >= 0 and 0 < length <= {MAX_RANGE}, "
+                             f"got {offset}+{length}")
+
+        def read() -> bytes | None:
+            for root in self.agent.mounts.cache_roots():
+                data = read_range(root, chunk, offset, length)
+                if data is not None:
+                    return data
+            return None
+
+        data = await asyncio.to_thread(read)
+        if data is not None:
+            self.counters["served"] += 1
+            self.counters["served_bytes"] += len(data)
+        return data
+
+    # ------------------------------------------------------------ fetching
+    async def fetch(self, chunk: str, offset: int, length: int) -> bytes | None:
+        """The range from a peer, or None: the caller reads it from the store."""
+        holders = self.peers.peer_holders(chunk)
+        for member in holders[: self.cfg.peer_tries]:
+            data = await self._read_from(member, chunk, offset, length, self.cfg.peer_timeout_s)
+            if data is not None:
+                self.counters["peer_fetches"] += 1
+                self.counters["peer_bytes"] += len(data)
+                return data
+        if holders:
+            self.counters["peer_misses"] += 1
+            return None  # holders known but none answered: no race, to the store
+        return await self._cold(chunk, offset, length)
+
+    async def _cold(self, chunk: str, offset: int, length: int) -> bytes | None:
+        """Nobody holds it: one node fetches it from the store, the others wait for it."""
+        if self.cfg.dedup_wait_s <= 0:
+            return None
+        winner = await self._race(chunk, offset, length)
+        if winner is None or winner == self.agent.cfg.name:
+            self.counters["cold_won"] += 1
+            return None
+        self.counters["cold_waited"] += 1
+        deadline = time.monotonic() + self.cfg.dedup_wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            data = await self._read_from(
+                winner, chunk, offset, length, min(self.cfg.peer_timeout_s, left)
+            )
+            if data is not None:
+                self.counters["cold_from_winner"] += 1
+                return data
+            if self._address(winner) is None:
+                break  # the winner is gone
+            await asyncio.sleep(min(self.cfg.dedup_poll_s, max(0.0, left)))
+        return None
+
+    async def _race(self, chunk: str, offset: int, length: int) -> str | None:
+        """Who fetches this cold range from the store: this node's name when it won,
+        the winner's, or None when etcd does not answer (then everyone reads it)."""
+        a = self.agent
+        key = a.ks.fetching(chunk, offset, length)
+        me = a.cfg.name.encode()
+        try:
+            lease = await self._fetch_lease()
+            won = await a.etcd.txn([a.etcd.absent(key)], [a.etcd.op_put(key, me, lease)])
+            if won.succeeded:
+                return a.cfg.name
+            found = await a.etcd.get(key)
+        except HypermeshError as exc:
+            log.debug("racing for %s: %s", key, exc)
+            return None
+        return found[0].decode() if found is not None else None
+
+    async def _fetch_lease(self) -> int:
+        """A lease of ``dedup_wait_s`` for fetching keys, granted at most a second ago
+        (one grant serves every cold run of that second)."""
+        async with self._lease_lock:
+            lease, granted = self._lease
+            now = time.monotonic()
+            if now - granted > LEASE_REUSE_S:
+                lease = await self.agent.etcd.grant(max(2, math.ceil(self.cfg.dedup_wait_s)))
+                self._lease = (lease, now)
+            return lease
+
+    async def _read_from(
+        self, member: str, chunk: str, offset: int, length: int, timeout: float
+    ) -> bytes | None:
+        address = self._address(member)
+        if address is None:
+            return None
+        request = agent_pb2.ReadChunkRequest(chunk=chunk, offset=offset, length=length)
+        parts: list[bytes] = []
+        try:
+            async with asyncio.timeout(timeout):
+                call = self._stub(address).ReadChunk(request, timeout=timeout)
+                async for piece in call:
+                    parts.append(piece.data)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
+            log.debug("ReadChunk %s@%d+%d from %s: %s", chunk, offset, length, member, code)
+            return None
+        data = b"".join(parts)
+        return data if len(data) == length else None
+
+    # ------------------------------------------------------------ plumbing
+    def _address(self, member: str) -> str | None:
+        """Where ``member`` listens, while gossip has it alive (or suspect)."""
+        swim = self.agent.gossip.swim
+        view = swim.member(member) if swim is not None else None
+        if view is None or view.state not in ("alive", "suspect"):
+            return None
+        return view.address
+
+    def _stub(self, address: str) -> agent_pb2_grpc.AgentStub:
+        return agent_pb2_grpc.AgentStub(self.agent.gossip.channel(address))
+
+    def close(self) -> None:
+        for task in self._snapshots.values():
+            task.cancel()
+        self._snapshots.clear()
+
+
+async def stream_pieces(data: bytes) -> AsyncIterator[agent_pb2.ChunkBytes]:
+    """``data`` as ``ChunkBytes`` messages of at most ``PIECE`` bytes."""
+    view = memoryview(data)
+    for start in range(0, len(view), PIECE):
+        yield agent_pb2.ChunkBytes(data=bytes(view[start : start + PIECE]))
+        await asyncio.sleep(0)
