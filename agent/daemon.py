@@ -122,7 +122,7 @@ class Agent:
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
         self.locality = None if cfg.locality_delay is None else Locality(
             cfg.name, cfg.store, cfg.locality_delay, self.mounts, lambda: self._wake.set(),
-            self.decide, self.gossip.alive,
+            self.decide, self.gossip.alive, self.share.peers.holders,
         )
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads

@@ -17,8 +17,8 @@ found missing, in worker threads (never on the event loop):
   resolved only once a scan that started after the task became claimable has finished,
   so a decision never rests on what the caches held before the previous round ran.
 
-Other nodes' holdings come from ``holders`` (the gossip view of peers' chunk sets; until
-it is wired in, nobody else is known to hold anything). Owned by the agent's event loop.
+Other nodes' holdings come from ``holders`` (``ChunkPeers.holders``: the chunk sets peers
+advertise in gossip, alive members only). Owned by the agent's event loop.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class Locality:
         wake: Callable[[], None],
         decide: Callable[[str], None],
         alive: Callable[[str], bool] = lambda name: True,
+        holders: Callable[[str], frozenset[str]] = lambda chunk: NO_HOLDERS,
     ) -> None:
         self.name = name
         self.store_url = store_url
@@ -84,7 +85,7 @@ class Locality:
         self.wake = wake
         self.decide = decide
         self.alive = alive  # gossip's verdict on a peer
-        self.holders: Callable[[str], frozenset[str]] = lambda chunk: NO_HOLDERS
+        self.holders = holders  # who else holds a chunk: the peers' gossiped chunk sets
         self.since: dict[TaskRef, float] = {}
         self._inputs: dict[TaskRef, Inputs] = {}
         self._resolving: set[TaskRef] = set()
