@@ -4,7 +4,10 @@ chunk locator and a virtual clock."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 from hypermesh.agent.claims import LocalLoad, choose_claims, fits
@@ -13,6 +16,7 @@ from hypermesh.chunkfs.coverage import CoverageCache, covered_chunks
 from hypermesh.chunkfs.format import Entry, Extent
 from hypermesh.chunkfs.manifest import Manifest
 
+from hypermesh.config import AgentConfig, parse_locality_delay
 from hypermesh.errors import RecipeError, UsageError
 from hypermesh.inputs import input_problems, render_input
 from hypermesh.keyspace import TaskRef
@@ -235,3 +239,25 @@ def test_a_task_that_opens_again_waits_afresh() -> None:
     since = {a: 1.0, b: 2.0}
     prune_since(since, lambda r: r == b)
     assert since == {b: 2.0}
+
+
+# ------------------------------------------------------------------ the setting
+
+
+def test_locality_delay_setting_is_checked() -> None:
+    assert parse_locality_delay("off") is None
+    assert parse_locality_delay("2.5") == 2.5
+    with pytest.raises(UsageError, match="expected seconds"):
+        parse_locality_delay("soon")
+    with pytest.raises(UsageError, match="--locality-delay 601"):
+        AgentConfig.local(locality_delay=601.0)
+
+
+def test_agent_start_refuses_a_bad_locality_delay(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hypermesh", "agent", "start", "--work-dir", str(tmp_path),
+         "--locality-delay", "soon"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--locality-delay 'soon': expected seconds (0-600) or 'off'" in out.stderr
