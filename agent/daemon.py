@@ -191,7 +191,8 @@ class Agent:
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
-        self.mounts.agent_address = self.address
+        if self.cfg.peer_sharing:
+            self.mounts.agent_address = self.address
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
         if self.cfg.metrics_listen is not None:

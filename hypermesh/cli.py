@@ -223,6 +223,13 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "'off': ignore where data is.",
 )
 @click.option(
+    "--peer-sharing",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="Whether mounts fetch chunks from peers (and share cold reads) before the store.",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -253,6 +260,7 @@ def agent_start(
     telemetry_period: float | None,
     http_listen: str | None,
     locality_delay: str,
+    peer_sharing: str,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -294,6 +302,7 @@ def agent_start(
         logging.getLogger().setLevel(logging.INFO)
     try:
         overrides["locality_delay"] = parse_locality_delay(locality_delay)
+        overrides["peer_sharing"] = peer_sharing == "on"
         cfg = AgentConfig.local(**overrides) if preset == "local" else AgentConfig.lan(**overrides)
     except UsageError as exc:
         _err(f"error: {exc}")

@@ -130,6 +130,11 @@ class AgentConfig:
     whose data this node holds, never wait. None (``off``): place tasks without
     regard to data, as if no task had inputs."""
 
+    peer_sharing: bool = True
+    """Whether this node's data set mounts ask the agent for chunks that peers hold
+    (and share cold reads with them) before the object store (``--peer-sharing``).
+    Off: every miss goes to the store; the node still advertises what it holds."""
+
     def __post_init__(self) -> None:
         if not NODE_NAME_RE.fullmatch(self.name):
             raise UsageError(
