@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -138,7 +139,8 @@ class Locality:
                 self.decide(f"leaving {ref} to {holder}, which holds more of its data "
                             f"(for up to {self.delay_s:g}s)")
         missing = [r for r in placement.missing if r not in self._resolving]
-        if placement.missing and self._scan is None:
+        stale = any(self._local_at < self.since.get(r, -math.inf) for r in placement.missing)
+        if stale and self._scan is None:
             self._scan = asyncio.create_task(self._rescan(), name="locality scan")
         unresolved = [r for r in missing if r not in self._inputs]
         if unresolved:

@@ -4,6 +4,7 @@ chunk locator and a virtual clock."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -11,10 +12,14 @@ from pathlib import Path
 
 import pytest
 from hypermesh.agent.claims import LocalLoad, choose_claims, fits
+from hypermesh.agent.locality import Locality
 from hypermesh.agent.placement import Placement, held, prune_since
 from hypermesh.chunkfs.coverage import CoverageCache, covered_chunks
 from hypermesh.chunkfs.format import Entry, Extent
+from hypermesh.chunkfs.holdings import Holding
 from hypermesh.chunkfs.manifest import Manifest
+from hypermesh.chunkfs.pack import put_dataset
+from hypermesh.chunkfs.store import FileStore
 
 from hypermesh.config import AgentConfig, parse_locality_delay
 from hypermesh.errors import RecipeError, UsageError
@@ -261,3 +266,66 @@ def test_agent_start_refuses_a_bad_locality_delay(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "--locality-delay 'soon': expected seconds (0-600) or 'off'" in out.stderr
+
+
+# ------------------------------------------------------------------ the I/O layer
+
+
+class FakeMounts:
+    """``Mounts.holdings`` of a node whose caches hold ``held`` (chunk ids)."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.scans = 0
+
+    def holdings(self) -> dict[str, Holding]:
+        self.scans += 1
+        return {c: Holding(c, 1, frozenset({0})) for c in self.held}
+
+
+def test_locality_resolves_inputs_through_the_manifest_then_prefers_local_data(
+    tmp_path: Path,
+) -> None:
+    src = tmp_path / "src"
+    for shard in (0, 1):
+        (src / f"shard-{shard}").mkdir(parents=True)
+        (src / f"shard-{shard}" / "part").write_bytes(bytes([shard]) * (4 << 20))
+    root = put_dataset(FileStore(tmp_path / "store"), src, "ds", chunk_size=4 << 20)
+    chunk_of = {}
+    for shard in (0, 1):
+        entry = Manifest(root, FileStore(tmp_path / "store").get).lookup(f"shard-{shard}/part")
+        assert entry is not None
+        chunk_of[shard] = root.chunks[entry.extents[0].chunk].id
+    feed = Feed()
+    feed.workflow("w", SHARDS.replace("coco/train/", "coco/").replace("{coco: coco}",
+                                                                       "{coco: ds}"))
+    for i in (0, 1):
+        feed.put(feed.ks.task(TaskRef("w", "e", i)), {"params": {"shard": i}})
+    feed.put(feed.ks.expanded("w", "e"), {"count": 2})
+    mounts = FakeMounts()
+    mounts.held = {chunk_of[1]}
+    decisions: list[str] = []
+
+    async def scenario() -> list[list[int]]:
+        woken = asyncio.Event()
+        loc = Locality("me", f"file://{tmp_path / 'store'}", 5.0, mounts,  # type: ignore[arg-type]
+                       woken.set, decisions.append)
+        rounds = []
+        try:
+            for _ in range(3):
+                placement = loc.placement(feed.view)
+                plans = choose_claims(feed.view, node(slots=1), LocalLoad(), 32, None, placement)
+                rounds.append([p.ref.index for p in plans])
+                loc.after_round(placement, feed.view)
+                if plans:
+                    break
+                await asyncio.wait_for(woken.wait(), 10)
+                woken.clear()
+        finally:
+            loc.close()
+        return rounds
+
+    rounds = asyncio.run(scenario())
+    # nothing until the caches were scanned and the inputs resolved; then shard 1 (held)
+    assert rounds[0] == [] and rounds[-1] == [1], rounds
+    assert mounts.scans >= 1 and decisions == []
