@@ -18,7 +18,9 @@ Modes:
 * ``on``: the defaults — peer sharing (mounts fetch through their agent from peers,
   one node per cold chunk goes to the store) and locality-aware claims;
 * ``off``: ``--peer-sharing off --locality-delay off``: every miss goes to the store,
-  tasks are claimed with no regard to data.
+  tasks are claimed with no regard to data;
+* ``locality`` (``--peer-sharing off``) and ``sharing`` (``--locality-delay off``):
+  one of the two alone.
 
 Per epoch it reports the bytes the mounts fetched from the store (``store_bytes`` of
 every mount's ``.chunkfs-stats``: chunk data, block lists and prefetch), as a multiple
@@ -61,6 +63,8 @@ SETTLE_POLLS = 3
 MODES = {
     "on": [],
     "off": ["--peer-sharing", "off", "--locality-delay", "off"],
+    "locality": ["--peer-sharing", "off"],
+    "sharing": ["--locality-delay", "off"],
 }
 
 RECIPE = """
