@@ -26,6 +26,7 @@ import grpc
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gossip_link import PeerLink
 from hypermesh.agent.swim import Message, Outgoing, Swim
+from hypermesh.chunkfs.holdings import read_reads
 
 from hypermesh._proto import agent_pb2
 
@@ -65,6 +66,7 @@ class Gossip:
         self._sleep_until = 0.0  # when the protocol loop wakes by itself next
         self._sends: set[asyncio.Task[None]] = set()
         self._cached_bytes = 0
+        self._reads: dict[str, int] = {}  # blocks this node's mounts read, by source
         self._holdings_at = -math.inf
         self._holdings: asyncio.Task[None] | None = None
 
@@ -185,6 +187,7 @@ class Gossip:
             "free_gpus": max(0.0, a.machine.gpus - gpus_used),
             "state": a.state,
             "cached_bytes": self._cached_bytes,
+            "reads": self._reads,
             "chunks": a.share.peers.meta(),
             # Lifeguard local health: peers skip waiting for a sick leader to act
             "health": self.swim.local_health if self.swim is not None else 0,
@@ -207,6 +210,7 @@ class Gossip:
             try:
                 held = await asyncio.to_thread(mounts.holdings)
                 self._cached_bytes = sum(h.present_bytes for h in held.values())
+                self._reads = await asyncio.to_thread(read_reads, mounts.cache_roots())
                 self.agent.share.scanned(held)
             except Exception:  # a bad cache directory must not stop gossip
                 log.exception("counting the chunk caches failed")

@@ -171,5 +171,6 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             chunks=[
                 agent_pb2.ChunkHolders(chunk=c, nodes=sorted(peers.holders(c)))
                 for c in request.chunks
-            ]
+            ],
+            counters=self.agent.share.counters,
         )

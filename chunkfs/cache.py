@@ -71,6 +71,8 @@ class ReadStats:
     ``blocks``/``bytes`` count blocks (and their bytes) handed to readers by source:
     ``cache`` (local disk), ``peer`` and ``store``. ``store_gets``/``store_bytes`` count
     ranged GETs (block lists included) and the bytes they returned, prefetch included.
+    ``peer_corrupt_blocks`` counts blocks a peer sent that failed their digest (they
+    were fetched from the store instead).
     Anyone may add; ``snapshot`` gives a consistent copy.
     """
 
@@ -85,6 +87,7 @@ class ReadStats:
             "store_bytes": 0,
             "store_retries": 0,
             "peer_bytes": 0,
+            "peer_corrupt_blocks": 0,
             "corrupt_blocks": 0,
             "read_errors": 0,
             "prefetched_blocks": 0,

@@ -380,6 +380,10 @@ class ChunkReader:
                 left.append(i)
             else:
                 out[i] = (block, "peer")
+        if left:
+            self.stats.add("peer_corrupt_blocks", len(left))
+            log.warning("chunk %s blocks %s: bad bytes from a peer, reading the store",
+                        chunk.id, left)
         return left
 
     def _get(self, chunk: ChunkInfo, run: list[int], deadline: float) -> memoryview:

@@ -12,6 +12,7 @@ chunk's digests before use, as every chunkfs reader does with every source.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from collections.abc import Iterable
@@ -20,6 +21,13 @@ from pathlib import Path
 
 from hypermesh.chunkfs.cache import HAVE_HEADER, MAGIC, block_span
 from hypermesh.chunkfs.format import BLOCK_SIZE, block_count
+
+READS_FILE = "reads.json"
+"""Beside a mount's ``chunks`` cache root: blocks its reads were served, by source
+(``cache``, ``peer``, ``store``), since the mount started; written by the mount with
+its ``.have`` records."""
+
+SOURCES = ("cache", "peer", "store")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,30 @@ def scan(cache_roots: Iterable[Path]) -> dict[str, Holding]:
                     if old is None or len(holding.blocks) > len(old.blocks):
                         out[holding.chunk_id] = holding
     return out
+
+
+def write_reads(cache_root: Path, blocks: dict[str, int]) -> None:
+    """Record a mount's blocks served by source (atomically: a reader sees all or none)."""
+    path = cache_root.parent / READS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({s: int(blocks.get(s, 0)) for s in SOURCES}))
+    os.replace(tmp, path)
+
+
+def read_reads(cache_roots: Iterable[Path]) -> dict[str, int]:
+    """Blocks served by source, summed over these caches' mounts (0 each when none)."""
+    total = dict.fromkeys(SOURCES, 0)
+    for root in cache_roots:
+        try:
+            data = json.loads((root.parent / READS_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            for s in SOURCES:
+                value = data.get(s)
+                if isinstance(value, int) and value >= 0:
+                    total[s] += value
+    return total
 
 
 def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> bytes | None:

@@ -48,10 +48,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
+from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
+from hypermesh.chunkfs.holdings import write_reads
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
@@ -195,11 +196,21 @@ def serve(
 
 async def _flush_records(cache: ChunkCache) -> None:
     """Write changed ``.have`` records every ``HAVE_FLUSH_INTERVAL`` even when no more
-    blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up."""
+    blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up;
+    and the blocks served by source (``holdings.READS_FILE``), for the agent's hit rates."""
+    written: dict[str, int] | None = None
     while True:
         await asyncio.sleep(HAVE_FLUSH_INTERVAL)
         if cache.dirty():
             await asyncio.to_thread(cache.flush)
+        snap = cache.stats.snapshot()["blocks"]
+        blocks = dict(snap) if isinstance(snap, dict) else {}
+        if blocks != written:
+            try:
+                await asyncio.to_thread(write_reads, cache.root, blocks)
+                written = blocks
+            except OSError as exc:
+                log.warning("could not record the reads by source: %s", exc)
 
 
 async def _main(
@@ -431,7 +442,10 @@ def mount(
         return
     if die_with_parent:
         _die_with_parent()
-    peer_fetch = AgentPeerFetch(agent) if agent else None
+    # a peer's trouble must leave the read time to reach the store within its deadline
+    peer_fetch = None
+    if agent:
+        peer_fetch = AgentPeerFetch(agent, min(AGENT_TIMEOUT_S, fetch.deadline_s / 2))
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
               fetch=fetch, peer_fetch=peer_fetch, ready=report, push_pages=push_pages)

@@ -590,7 +590,7 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
         return
     click.echo(
         f"{'NAME':<16}{'ADDRESS':<22}{'STATE':<10}{'GOSSIP':<9}{'INC':>4}{'POOL':>10}"
-        f"{'SLOTS':>6}{'RUN':>5}{'GPUS':>5}  LEADER"
+        f"{'SLOTS':>6}{'RUN':>5}{'GPUS':>5}{'HITS C/P/S %':>14}  LEADER"
     )
     for r in rows:
         click.echo(
@@ -598,10 +598,17 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
             f"{r['incarnation'] if r['incarnation'] is not None else '-':>4}"
             f"{r['pool'] or '-':>10}{r['slots'] if r['slots'] is not None else '-':>6}"
             f"{r['running']:>5}{r['gpus'] if r['gpus'] is not None else '-':>5}"
-            f"  {'*' if r['leader'] else ''}"
+            f"{_hits(r['hit_rates']):>14}  {'*' if r['leader'] else ''}"
         )
     if rows and gossip:
         click.echo(f"(gossip as seen by {asked})")
+
+
+def _hits(rates: dict[str, float] | None) -> str:
+    """Hit rates as ``cache/peer/store`` whole percentages, ``-`` before any read."""
+    if not rates:
+        return "-"
+    return "/".join(f"{100 * rates.get(s, 0.0):.0f}" for s in ("cache", "peer", "store"))
 
 
 @main.command()

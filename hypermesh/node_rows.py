@@ -25,6 +25,20 @@ def gossip_table(members: Any) -> Gossip:
     }
 
 
+def hit_rates(reads: Any) -> dict[str, float] | None:
+    """Shares of the blocks a node's mounts read that came from its own cache, a
+    peer and the object store (gossip meta ``reads``); None before any read."""
+    if not isinstance(reads, dict):
+        return None
+    counts = {s: reads.get(s) for s in ("cache", "peer", "store")}
+    if not all(isinstance(n, int) and n >= 0 for n in counts.values()):
+        return None
+    total = sum(n for n in counts.values() if isinstance(n, int))
+    if total == 0:
+        return None
+    return {s: round(n / total, 4) for s, n in counts.items() if isinstance(n, int)}
+
+
 def node_rows(
     view: MeshView, gossip: Gossip, seen_by: str | None, show_all: bool = False
 ) -> list[dict[str, Any]]:
@@ -53,6 +67,7 @@ def node_rows(
                 "incarnation": g.get("incarnation"),
                 "load": g.get("meta"),
                 "cached_bytes": (g.get("meta") or {}).get("cached_bytes"),
+                "hit_rates": hit_rates((g.get("meta") or {}).get("reads")),
                 "seen_by": seen_by if gossip else None,
                 "metrics": n.metrics or None,
             }
@@ -67,6 +82,7 @@ def node_rows(
                         "gpu_type": None, "cpus": None, "memory": None, "labels": {},
                         "leader": False, "gossip": g["state"], "incarnation": g["incarnation"],
                         "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
+                        "hit_rates": hit_rates((g["meta"] or {}).get("reads")),
                         "seen_by": seen_by, "metrics": None,
                     }
                 )

@@ -8,6 +8,8 @@ import pytest
 from hypermesh.agent.chunk_peers import ChunkPeers, holder_order
 from hypermesh.agent.share_config import ShareConfig
 
+from hypermesh.node_rows import hit_rates
+
 
 def ids(*names: str) -> list[str]:
     return [f"{n:0<64}" for n in names]
@@ -125,3 +127,10 @@ def test_share_config_checks_its_ranges() -> None:
         ShareConfig(peer_timeout_s=0)
     with pytest.raises(ValueError, match="peer_tries"):
         ShareConfig(peer_tries=0)
+
+
+def test_hit_rates_are_shares_of_blocks_by_source() -> None:
+    assert hit_rates({"cache": 6, "peer": 3, "store": 1}) == {"cache": 0.6, "peer": 0.3,
+                                                             "store": 0.1}
+    assert hit_rates({"cache": 0, "peer": 0, "store": 0}) is None  # nothing read yet
+    assert hit_rates(None) is None and hit_rates({"cache": -1, "peer": 0, "store": 1}) is None

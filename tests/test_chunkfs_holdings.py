@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hypermesh.chunkfs.cache import ChunkCache
 from hypermesh.chunkfs.format import MiB
-from hypermesh.chunkfs.holdings import read_holding, read_range, scan
+from hypermesh.chunkfs.holdings import read_holding, read_range, read_reads, scan, write_reads
 
 from tests.test_chunkfs_cache import Chunk, fill
 
@@ -34,3 +34,14 @@ def test_the_view_follows_the_caches_records(tmp_path: Path) -> None:
     assert sum(h.present_bytes for h in after.values()) <= MiB
     assert all(read_holding(tmp_path / "c1", cid) is not None for cid in after)
     again.close()
+
+
+def test_reads_by_source_are_summed_over_caches(tmp_path: Path) -> None:
+    roots = [tmp_path / "m1" / "chunks", tmp_path / "m2" / "chunks", tmp_path / "m3" / "chunks"]
+    for root in roots:
+        root.mkdir(parents=True)
+    write_reads(roots[0], {"cache": 5, "store": 2})
+    write_reads(roots[1], {"cache": 1, "peer": 4, "store": 0, "other": 9})
+    (roots[2].parent / "reads.json").write_text("{not json")  # a torn or foreign file: skipped
+    assert read_reads(roots) == {"cache": 6, "peer": 4, "store": 2}
+    assert read_reads([]) == {"cache": 0, "peer": 0, "store": 0}

@@ -261,7 +261,16 @@ class ChunkHolders(_message.Message):
     def __init__(self, chunk: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LocateChunksReply(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "counters")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkHolders]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHolders, _Mapping]]] = ...) -> None: ...
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHolders, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -179,7 +179,8 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LocateChunks(self, request, context):
-        """Which alive nodes hold these chunks, as this node's gossip view says.
+        """Which alive nodes hold these chunks, as this node's gossip view says, and the
+        node's sharing counters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,198 @@
+"""Peers share chunk caches: real agents, real SeaweedFS, real FUSE mounts.
+
+Each node's mount is started as an agent starts it (``--agent``, its cache under the
+agent's work directory, so the agent advertises and serves it) and reaches the store
+through its own counting proxy: a GET of a chunk is seen, and attributed to a node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
+from hypermesh.chunkfs.format import ChunkInfo, chunk_key
+from hypermesh.chunkfs.mount import MountProcess
+from hypermesh.chunkfs.pack import put_dataset
+from hypermesh.chunkfs.store import S3Store
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.localmesh import AgentProcess, wait_for
+from hypermesh.s3server import S3Server
+from tests.conftest import Mesh
+from tests.s3_proxy import CountingProxy
+
+MiB = 1 << 20
+FILES = ("a.bin", "b.bin", "c.bin")  # 3 MiB each, one 4 MiB chunk each
+
+
+@dataclass
+class Node:
+    agent: AgentProcess
+    proxy: CountingProxy
+    mount: MountProcess
+
+    def read(self, name: str) -> bytes:
+        return (self.mount.mountpoint / name).read_bytes()
+
+    def gets(self, chunk: ChunkInfo) -> int:
+        return self.proxy.count("/" + chunk_key(chunk.id))
+
+    def blocks(self, source: str) -> int:
+        return int(self.mount.stats()["reads"]["blocks"].get(source, 0))
+
+
+@dataclass
+class Pair:
+    a: Node
+    b: Node
+    chunks: tuple[ChunkInfo, ...]
+    data: dict[str, bytes]
+    mesh: Mesh
+
+
+def locate(node: Node, chunk: ChunkInfo) -> agent_pb2.LocateChunksReply:
+    with grpc.insecure_channel(node.agent.address) as channel:
+        reply: agent_pb2.LocateChunksReply = agent_pb2_grpc.AgentStub(channel).LocateChunks(
+            agent_pb2.LocateChunksRequest(chunks=[chunk.id]), timeout=5
+        )
+    return reply
+
+
+def holders(node: Node, chunk: ChunkInfo) -> set[str]:
+    return set(locate(node, chunk).chunks[0].nodes)
+
+
+@pytest.fixture
+def pair(
+    mesh: Mesh, store: S3Store, store_url: str, s3_server: S3Server, tmp_path: Path
+) -> Iterator[Pair]:
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {name: os.urandom(3 * MiB) for name in FILES}
+    for name, content in data.items():
+        (src / name).write_bytes(content)
+    root = put_dataset(store, src, "shared", chunk_size=4 * MiB)
+    assert len(root.chunks) == len(FILES)
+    nodes: list[Node] = []
+    with CountingProxy(s3_server.endpoint) as pa, CountingProxy(s3_server.endpoint) as pb:
+        try:
+            for name, proxy in (("a", pa), ("b", pb)):
+                agent = mesh.agent(name, extra=("--store", store_url))
+                work = agent.work_dir / "chunkfs"
+                (work / "mnt" / "shared").mkdir(parents=True)
+                mount = MountProcess(
+                    "shared",
+                    work / "mnt" / "shared",
+                    cache_dir=work / "cache" / "shared",
+                    store_url=store_url,
+                    deadline="20s",
+                    agent=agent.address,
+                    env=dict(os.environ, HYPERMESH_S3_ENDPOINT=proxy.endpoint),
+                )
+                nodes.append(Node(agent, proxy, mount.start()))
+            yield Pair(nodes[0], nodes[1], root.chunks, data, mesh)
+        finally:
+            for node in nodes:
+                node.mount.stop()
+
+
+def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
+    pair: Pair,
+) -> None:
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+    assert a.read("a.bin") == pair.data["a.bin"]
+    assert a.gets(first) >= 1
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    assert b.read("a.bin") == pair.data["a.bin"]
+    assert b.gets(first) == 0
+    assert b.blocks("peer") == 3 and b.blocks("store") == 0
+    # b advertises it too now; a peer's cache counts like any other
+    wait_for(lambda: holders(a, first) == {"a", "b"}, 20, "a to learn that b holds it")
+
+    def rates() -> dict[str, dict[str, float] | None]:
+        return {r["name"]: r["hit_rates"] for r in pair.mesh.hm_json("nodes")}
+
+    # hit rates by source reach `hypermesh nodes`: b read nothing from the store
+    wait_for(lambda: all(rates().values()), 20, "both nodes' hit rates in gossip")
+    seen = rates()
+    assert seen["a"] is not None and seen["a"]["store"] > 0 and seen["a"]["peer"] == 0
+    assert seen["b"] is not None and seen["b"]["store"] == 0 and seen["b"]["peer"] > 0
+    table = pair.mesh.hm("nodes", check=True).stdout
+    assert "HITS C/P/S %" in table
+
+
+def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+    assert a.read("a.bin") == pair.data["a.bin"]
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    (data_file,) = (a.mount.cache_dir / "chunks").rglob(f"{first.id}.data")
+    with open(data_file, "r+b") as f:  # a's cache goes bad under it: one byte of block 1
+        f.seek(MiB + 5)
+        byte = f.read(1)
+        f.seek(MiB + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert b.read("a.bin") == pair.data["a.bin"]
+    assert b.blocks("peer") == 2 and b.blocks("store") == 1  # block 1 from the store
+    assert b.mount.stats()["reads"]["peer_corrupt_blocks"] == 1
+    assert b.gets(first) == 1
+
+
+def test_a_frozen_then_killed_peer_costs_the_reader_only_time(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    for name in FILES:
+        assert a.read(name) == pair.data[name]
+    wait_for(
+        lambda: all("a" in holders(b, c) for c in pair.chunks), 20, "b to learn a's chunks"
+    )
+    assert b.read("a.bin") == pair.data["a.bin"]  # from a
+    assert a.agent.proc is not None
+    os.kill(a.agent.proc.pid, signal.SIGSTOP)  # a hangs mid-conversation
+    try:
+        assert b.read("b.bin") == pair.data["b.bin"]  # a's deadline passes: the store
+    finally:
+        os.kill(a.agent.proc.pid, signal.SIGCONT)
+    a.agent.kill()  # and now a is gone for good
+    assert b.read("c.bin") == pair.data["c.bin"]
+    assert b.gets(pair.chunks[0]) == 0
+    assert b.gets(pair.chunks[1]) >= 1 and b.gets(pair.chunks[2]) >= 1
+
+
+def test_two_nodes_missing_a_chunk_together_fetch_it_from_the_store_once(pair: Pair) -> None:
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+    start = threading.Barrier(2)
+    got: dict[str, bytes] = {}
+
+    def read(node: Node) -> None:
+        start.wait(10)
+        got[node.agent.name] = node.read("a.bin")
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {"a": pair.data["a.bin"], "b": pair.data["a.bin"]}
+    # one node fetched the chunk from the store (in as many GETs as it would alone),
+    # the other waited for it and read every block from it
+    fetched, waited = sorted((a, b), key=lambda n: n.gets(first), reverse=True)
+    assert fetched.gets(first) >= 1 and waited.gets(first) == 0
+    assert waited.blocks("peer") == 3 and fetched.blocks("peer") == 0
+    assert locate(waited, first).counters["cold_from_winner"] >= 1
+    assert locate(fetched, first).counters["cold_won"] >= 1
+
+
+def test_a_mount_whose_agent_does_not_answer_reads_the_store() -> None:
+    fetch = AgentPeerFetch("127.0.0.1:1", timeout_s=2.0)  # nothing listens on port 1
+    try:
+        assert fetch("ab" * 32, 0, MiB) is None
+    finally:
+        fetch.close()
+    with pytest.raises(ValueError, match="timeout_s"):
+        AgentPeerFetch("127.0.0.1:1", timeout_s=0)
