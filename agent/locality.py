@@ -43,7 +43,7 @@ from hypermesh.chunkfs.store import ObjectStore, open_store
 from hypermesh.errors import HypermeshError
 from hypermesh.inputs import render_input
 from hypermesh.keyspace import TaskRef
-from hypermesh.model import MeshView
+from hypermesh.model import TERMINAL, MeshView
 from hypermesh.recipe import Experiment
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,10 @@ class Locality:
         for ref in [r for r in self._inputs if r not in self.since]:
             del self._inputs[ref]
         self._told &= self.since.keys()
-        for key in [k for k in self._roots if k[0] not in view.workflows]:
-            del self._roots[key]
+        ended = [k for k in self._roots
+                 if k[0] not in view.workflows or view.workflow_state(k[0]) in TERMINAL]
+        for key in ended:
+            del self._roots[key]  # ended (or gone): its tasks will not ask again
         peers = {n: rec for n, rec in view.nodes.items() if n != self.name and self.alive(n)}
         return Placement(
             me=self.name,
