@@ -22,15 +22,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from hypermesh.agent.chunk_summary import ChunkDelta, ChunkSummary
 
-__all__ = ["ChunkPeers", "holder_order"]
+__all__ = ["ChunkPeers", "HoldersView", "holder_order"]
 
 META_KEY = "chunks"
 ALIVE = "alive"
+
+HoldersView = Callable[[str], frozenset[str]]
+"""What pure logic elsewhere (locality-aware claims) may take instead of a whole
+:class:`ChunkPeers`: ``ChunkPeers.holders`` (on an agent: ``agent.share.peers.holders``)."""
 
 
 def holder_order(chunk_id: str, holders: Iterable[str]) -> list[str]:
@@ -109,8 +113,9 @@ class ChunkPeers:
         """A member's gossiped meta; True when its replica needs a snapshot.
 
         Applies an in-order delta; a delta that does not fit, or a digest that still
-        differs afterwards, means a snapshot. Malformed entries are ignored (False)."""
-        if member == self.name:
+        differs afterwards, means a snapshot. Malformed entries, and members not alive
+        or suspect (see :meth:`member_state`), are ignored (False)."""
+        if member == self.name or self._states.get(member) not in (ALIVE, "suspect"):
             return False
         entry = meta.get(META_KEY)
         if not isinstance(entry, dict):

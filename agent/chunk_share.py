@@ -10,7 +10,9 @@ module feeds it and carries out what it says:
   date is fetched whole with the ``ChunkSet`` RPC.
 * **Serve.** ``ReadChunk`` answers from the caches' records (:meth:`read_local`).
 * **Fetch.** A mount of this node asks ``FetchFromPeers`` (:meth:`fetch`): the agent
-  asks the holders in rendezvous order, each with a ``peer_timeout_s`` deadline; no
+  asks the holders in rendezvous order, each with a ``peer_timeout_s`` deadline, and
+  passes the first one's pieces on as they arrive (a peer that fails half-way ends the
+  mount's call with an error, and the mount reads the range from the store); no
   holder known means a cold run, and only one node fetches a cold run from the store
   (:meth:`_race`): the others wait for it (bounded) and read it from that node.
 
@@ -25,7 +27,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 from hypermesh.agent.chunk_peers import ChunkPeers
@@ -43,6 +45,14 @@ log = logging.getLogger(__name__)
 PIECE = 1 << 20  # bytes per streamed message
 MAX_RANGE = 256 << 20  # the most one ReadChunk may ask for
 LEASE_REUSE_S = 1.0  # a fetch lease names keys for at most this long after its grant
+WON_MAX = 4096  # segments won remembered before expired ones are dropped
+
+
+ReadCall: TypeAlias = "grpc.aio.UnaryStreamCall[agent_pb2.ReadChunkRequest, agent_pb2.ChunkBytes]"
+
+
+class PeerLost(Exception):
+    """A peer failed in the middle of a transfer that was being passed on."""
 
 
 class ChunkShare:
@@ -54,12 +64,13 @@ class ChunkShare:
         self.peers = ChunkPeers(agent.cfg.name, cfg.max_delta_bytes)
         self.counters: dict[str, int] = dict.fromkeys(
             ("served", "served_bytes", "peer_fetches", "peer_bytes", "peer_misses",
-             "cold_won", "cold_waited", "cold_from_winner"), 0)
+             "cold_won", "cold_waited", "cold_from_winner", "snapshots"), 0)
         self._snapshots: dict[str, asyncio.Task[None]] = {}
         self._snapshot_at: dict[str, float] = {}
         self._lease = (0, -math.inf)  # (fetch lease id, monotonic time of its grant)
         self._lease_lock = asyncio.Lock()
         self._ticked_at = -math.inf
+        self._won: dict[tuple[str, int], float] = {}  # (chunk, segment) -> held until
 
     # ------------------------------------------------------------ advertising
     def scanned(self, held: Iterable[str]) -> None:
@@ -70,11 +81,18 @@ class ChunkShare:
                       len(delta.removed))
 
     def member_state(self, member: str, state: str) -> None:
+        """A member's gossip state changed. One that (re)appears is looked at at once:
+        its meta may not change again for a while."""
         self.peers.member_state(member, state)
         if state not in ("alive", "suspect"):
             task = self._snapshots.pop(member, None)
             if task is not None:
                 task.cancel()
+            return
+        swim = self.agent.gossip.swim
+        view = swim.member(member) if swim is not None else None
+        if view is not None and member != self.agent.cfg.name:
+            self.observe(member, view.meta)
 
     def observe(self, member: str, meta: dict[str, object]) -> None:
         """A peer's new gossip meta (a change, or a push-pull that brought it)."""
@@ -103,7 +121,11 @@ class ChunkShare:
         self._snapshot_at[member] = now
         task = asyncio.create_task(self._fetch_snapshot(member, address))
         self._snapshots[member] = task
-        task.add_done_callback(lambda _t: self._snapshots.pop(member, None))
+        task.add_done_callback(lambda t: self._snapshot_done(member, t))
+
+    def _snapshot_done(self, member: str, task: asyncio.Task[None]) -> None:
+        if self._snapshots.get(member) is task:  # not a newer fetch started since
+            del self._snapshots[member]
 
     async def _fetch_snapshot(self, member: str, address: str) -> None:
         try:
@@ -117,6 +139,7 @@ class ChunkShare:
             return  # another agent answers at that address now
         try:
             self.peers.load_snapshot(member, {"v": reply.version, "c": list(reply.chunks)})
+            self.counters["snapshots"] += 1
         except ValueError as exc:
             log.warning("bad chunk set from %s: %s", member, exc)
 
@@ -146,58 +169,73 @@ class ChunkShare:
         return data
 
     # ------------------------------------------------------------ fetching
-    async def fetch(self, chunk: str, offset: int, length: int) -> bytes | None:
-        """The range from a peer, or None: the caller reads it from the store."""
+    async def fetch(self, chunk: str, offset: int, length: int) -> AsyncIterator[bytes]:
+        """The range from a peer, as the peer's pieces in order (forwarded as they
+        arrive); no pieces at all means: read it from the store. Raises
+        :class:`PeerLost` when a peer fails after its first piece was passed on (the
+        caller must end its answer with an error, never a short one)."""
         holders = self.peers.peer_holders(chunk)
         for member in holders[: self.cfg.peer_tries]:
-            data = await self._read_from(member, chunk, offset, length, self.cfg.peer_timeout_s)
-            if data is not None:
+            opened = await self._open(member, chunk, offset, length, self.cfg.peer_timeout_s)
+            if opened is not None:
+                async for piece in self._forward(member, length, *opened):
+                    yield piece
                 self.counters["peer_fetches"] += 1
-                self.counters["peer_bytes"] += len(data)
-                return data
+                return
         if holders:
             self.counters["peer_misses"] += 1
-            return None  # holders known but none answered: no race, to the store
-        return await self._cold(chunk, offset, length)
-
-    async def _cold(self, chunk: str, offset: int, length: int) -> bytes | None:
-        """Nobody holds it: one node fetches it from the store, the others wait for it."""
-        if self.cfg.dedup_wait_s <= 0:
-            return None
-        winner = await self._race(chunk, offset, length)
+            return  # holders known but none answered: no race, to the store
+        winner = await self._race(chunk, offset) if self.cfg.dedup_wait_s > 0 else None
         if winner is None or winner == self.agent.cfg.name:
             self.counters["cold_won"] += 1
-            return None
+            return
+        # Cold, and another node fetches it from the store: wait (bounded) until it has it.
         self.counters["cold_waited"] += 1
         deadline = time.monotonic() + self.cfg.dedup_wait_s
         while (left := deadline - time.monotonic()) > 0:
-            data = await self._read_from(
-                winner, chunk, offset, length, min(self.cfg.peer_timeout_s, left)
-            )
-            if data is not None:
+            timeout = min(self.cfg.peer_timeout_s, left)
+            opened = await self._open(winner, chunk, offset, length, timeout)
+            if opened is not None:
+                async for piece in self._forward(winner, length, *opened):
+                    yield piece
                 self.counters["cold_from_winner"] += 1
-                return data
+                return
             if self._address(winner) is None:
-                break  # the winner is gone
+                return  # the winner is gone
             await asyncio.sleep(min(self.cfg.dedup_poll_s, max(0.0, left)))
-        return None
 
-    async def _race(self, chunk: str, offset: int, length: int) -> str | None:
-        """Who fetches this cold range from the store: this node's name when it won,
-        the winner's, or None when etcd does not answer (then everyone reads it)."""
+    async def _race(self, chunk: str, offset: int) -> str | None:
+        """Who fetches the cold segment of ``chunk`` at ``offset`` from the store: this
+        node's name when it won, the winner's, or None when etcd does not answer (then
+        everyone reads it). Nodes race per segment (``dedup_segment_bytes``), not per
+        run: readers split a chunk into runs at different places, and a winner reading
+        on sequentially covers the others' runs of its segment."""
         a = self.agent
-        key = a.ks.fetching(chunk, offset, length)
+        segment = self.cfg.dedup_segment_bytes
+        start = offset // segment * segment
+        now = time.monotonic()
+        if self._won.get((chunk, start), -math.inf) > now:
+            return a.cfg.name  # this node won it a moment ago: its key still stands
+        key = a.ks.fetching(chunk, start, segment)
         me = a.cfg.name.encode()
         try:
             lease = await self._fetch_lease()
             won = await a.etcd.txn([a.etcd.absent(key)], [a.etcd.op_put(key, me, lease)])
             if won.succeeded:
+                self._remember_won((chunk, start), now)
                 return a.cfg.name
             found = await a.etcd.get(key)
         except HypermeshError as exc:
             log.debug("racing for %s: %s", key, exc)
             return None
         return found[0].decode() if found is not None else None
+
+    def _remember_won(self, segment: tuple[str, int], now: float) -> None:
+        """Segments this node won, until a little before their key can expire (the
+        lease was granted up to ``LEASE_REUSE_S`` before the key was written)."""
+        if len(self._won) > WON_MAX:
+            self._won = {k: t for k, t in self._won.items() if t > now}
+        self._won[segment] = now + self.cfg.dedup_wait_s - LEASE_REUSE_S
 
     async def _fetch_lease(self) -> int:
         """A lease of ``dedup_wait_s`` for fetching keys, granted at most a second ago
@@ -210,25 +248,54 @@ class ChunkShare:
                 self._lease = (lease, now)
             return lease
 
-    async def _read_from(
+    async def _open(
         self, member: str, chunk: str, offset: int, length: int, timeout: float
-    ) -> bytes | None:
+    ) -> tuple[ReadCall, bytes] | None:
+        """A ``ReadChunk`` call to ``member`` that has sent its first piece (the call's
+        deadline, ``timeout``, bounds the whole transfer), or None: not held there,
+        gone, or too slow to start."""
         address = self._address(member)
         if address is None:
             return None
         request = agent_pb2.ReadChunkRequest(chunk=chunk, offset=offset, length=length)
-        parts: list[bytes] = []
+        call: ReadCall = self._stub(address).ReadChunk(request, timeout=timeout)
         try:
             async with asyncio.timeout(timeout):
-                call = self._stub(address).ReadChunk(request, timeout=timeout)
-                async for piece in call:
-                    parts.append(piece.data)
+                first = await call.read()
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            call.cancel()
             code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
             log.debug("ReadChunk %s@%d+%d from %s: %s", chunk, offset, length, member, code)
             return None
-        data = b"".join(parts)
-        return data if len(data) == length else None
+        if not isinstance(first, agent_pb2.ChunkBytes) or not first.data:
+            call.cancel()
+            return None
+        return call, first.data
+
+    async def _forward(
+        self, member: str, length: int, call: ReadCall, first: bytes
+    ) -> AsyncIterator[bytes]:
+        """``first`` and the rest of an opened call's pieces; :class:`PeerLost` if it
+        fails or sends other than ``length`` bytes in all."""
+        sent = 0
+        try:
+            piece = first
+            while True:
+                sent += len(piece)
+                if sent > length:
+                    raise PeerLost(f"{member} sent more than the {length} bytes asked for")
+                self.counters["peer_bytes"] += len(piece)
+                yield piece
+                message = await call.read()
+                if not isinstance(message, agent_pb2.ChunkBytes):  # the end of the stream
+                    break
+                piece = message.data
+        except grpc.aio.AioRpcError as exc:
+            raise PeerLost(f"{member} failed after {sent} bytes: {exc.code()}") from exc
+        finally:
+            call.cancel()
+        if sent != length:
+            raise PeerLost(f"{member} sent {sent} of {length} bytes")
 
     # ------------------------------------------------------------ plumbing
     def _address(self, member: str) -> str | None:

@@ -104,9 +104,8 @@ class PeerLink:
         if self._call is None:
             self._call = self._stub.GossipStream()
             self._reader = asyncio.create_task(self._read(self._call), name="gossip reader")
-        await asyncio.wait_for(
-            self._call.write(agent_pb2.GossipPacket(payload=payload)), self._write_timeout
-        )
+        async with asyncio.timeout(self._write_timeout):  # no task per write, unlike wait_for
+            await self._call.write(agent_pb2.GossipPacket(payload=payload))
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         try:

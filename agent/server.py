@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from hypermesh.agent.chunk_share import stream_pieces
+from hypermesh.agent.chunk_share import PeerLost, stream_pieces
 from hypermesh.agent.gossip_link import serve_stream
 from hypermesh.agent.telemetry import cpu_percent
 
@@ -158,10 +158,13 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     ) -> AsyncIterator[agent_pb2.ChunkBytes]:
         if not request.chunk or request.offset < 0 or request.length <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need a chunk and a range")
-        data = await self.agent.share.fetch(request.chunk, request.offset, request.length)
-        if data is not None:
-            async for piece in stream_pieces(data):
-                yield piece
+        try:
+            async for piece in self.agent.share.fetch(
+                request.chunk, request.offset, request.length
+            ):
+                yield agent_pb2.ChunkBytes(data=piece)
+        except PeerLost as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     async def LocateChunks(
         self, request: agent_pb2.LocateChunksRequest, context: object

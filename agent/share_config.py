@@ -36,6 +36,12 @@ class ShareConfig:
     etcd key that names the winner. Longer: fewer duplicate GETs when the store is
     slow; a winner that dies makes the others wait this long."""
 
+    dedup_segment_bytes: int = 16 << 20
+    """Nodes race for a cold chunk per aligned segment of this size: the one that wins a
+    segment fetches its runs there, the others wait to read them from it. Larger: fewer
+    keys, but a loser may wait for bytes the winner never reads (at most
+    ``dedup_wait_s``)."""
+
     dedup_poll_s: float = 0.25
     """Seconds between two asks of the winner while waiting for it."""
 
@@ -51,6 +57,8 @@ class ShareConfig:
         _check_range("peer_timeout_s", self.peer_timeout_s, 0.05, 60)
         _check_range("peer_tries", self.peer_tries, 1, 16, integer=True)
         _check_range("dedup_wait_s", self.dedup_wait_s, 0, 600)
+        _check_range("dedup_segment_bytes", self.dedup_segment_bytes, 1 << 20, 1 << 34,
+                     integer=True)
         _check_range("dedup_poll_s", self.dedup_poll_s, 0.01, 10)
         _check_range("snapshot_retry_s", self.snapshot_retry_s, 0.05, 600)
         _check_range("max_delta_bytes", self.max_delta_bytes, 0, 1 << 16, integer=True)

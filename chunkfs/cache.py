@@ -1,6 +1,6 @@
 """The local chunk cache: verified 1 MiB blocks of chunks, on disk, bounded in bytes.
 
-Layout under the cache directory (``v1/<id[:2]>/``, one set of files per chunk):
+Layout under the cache directory (``v1/<shard of the id>/``, one set of files per chunk):
 
 - ``<id>.data``   a sparse file of the chunk's size; only present blocks take space.
 - ``<id>.blocks`` the chunk's block list (self-certifying: its SHA-256 is the id).
@@ -40,7 +40,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, block_digest, chunk_id
+from hypermesh.chunkfs.format import (
+    BLOCK_SIZE,
+    block_count,
+    block_digest,
+    hash_of,
+    names,
+    shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +161,7 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ paths
     def _path(self, cid: str, suffix: str) -> Path:
-        return self.root / "v1" / cid[:2] / f"{cid}.{suffix}"
+        return self.root / "v1" / shard(cid) / f"{cid}.{suffix}"
 
     # ---------------------------------------------------------------- queries
     @property
@@ -199,7 +206,9 @@ class ChunkCache:
         try:
             start, length = block_span(index, rec.size)
             data = self._pread(rec, start, length)
-            good = len(data) == length and block_digest(data) == _digest(rec.block_list, index)
+            good = len(data) == length and block_digest(data, hash_of(cid)) == _digest(
+                rec.block_list, index
+            )
         except OSError:
             good = False
         with self._lock:
@@ -233,7 +242,7 @@ class ChunkCache:
         with self._lock:
             if cid in self._chunks:
                 return
-        if chunk_id(block_list) != cid or len(block_list) != 32 * block_count(size):
+        if not names(cid, block_list) or len(block_list) != 32 * block_count(size):
             raise ValueError(f"block list does not match chunk {cid} of {size} bytes")
         with self._lock:
             if cid in self._chunks:
@@ -438,7 +447,7 @@ class ChunkCache:
             state = bytearray(have[HAVE_HEADER.size :])
             good = (
                 magic == MAGIC
-                and chunk_id(block_list) == cid
+                and names(cid, block_list)
                 and len(block_list) == 32 * block_count(size)
                 and len(state) == block_count(size)
                 and set(state) <= {0, 1}

@@ -159,14 +159,15 @@ def collect_garbage(store: ObjectStore) -> tuple[int, int]:
 def verify_chunk(cid: str, data: bytes, block_list: bytes, where: str = "") -> None:
     """Raise ``CorruptData`` naming chunk ``cid`` unless ``data`` is exactly that chunk."""
     label = f"{where}: chunk {cid}" if where else f"chunk {cid}"
-    if fmt.chunk_id(block_list) != cid:
+    if not fmt.names(cid, block_list):
         raise CorruptData(f"{label}: its block list does not match the chunk id")
     if len(block_list) != 32 * fmt.block_count(len(data)):
         raise CorruptData(f"{label}: {len(data)} bytes do not match its block list")
-    view = memoryview(data)
+    view, algo = memoryview(data), fmt.hash_of(cid)
     for i in range(0, len(data), fmt.BLOCK_SIZE):
         n = i // fmt.BLOCK_SIZE
-        if fmt.block_digest(view[i : i + fmt.BLOCK_SIZE]) != block_list[32 * n : 32 * n + 32]:
+        digest = fmt.block_digest(view[i : i + fmt.BLOCK_SIZE], algo)
+        if digest != block_list[32 * n : 32 * n + 32]:
             raise CorruptData(f"{label}: block {n} does not match its digest")
 
 

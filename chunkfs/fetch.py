@@ -5,7 +5,7 @@ range, or raises; it never returns bytes that did not match their block digest.
 
 How a read proceeds
 -------------------
-1. The chunk's block list (``chunks/<id[:2]>/<id>.blocks``) is loaded once — from
+1. The chunk's block list (``chunks/<shard>/<id>.blocks``) is loaded once — from
    memory, the cache directory or the store — and checked against the chunk id.
 2. The 1 MiB blocks that cover the range and are not in the cache are *claimed*: a
    block already being fetched (by another read or by prefetch) is waited for, not
@@ -55,8 +55,9 @@ from hypermesh.chunkfs.format import (
     block_count,
     block_digest,
     blocks_key,
-    chunk_id,
     chunk_key,
+    hash_of,
+    names,
 )
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
 
@@ -460,7 +461,7 @@ class ChunkReader:
                     f"block list of chunk {chunk.id} is missing from {self.store.url}"
                 ) from exc
             self.stats.add("store_bytes", len(data))
-            if chunk_id(data) == chunk.id and len(data) == 32 * block_count(chunk.size):
+            if names(chunk.id, data) and len(data) == 32 * block_count(chunk.size):
                 return data
             self.stats.add("corrupt_blocks")
             log.warning("block list of chunk %s: bad bytes from the store", chunk.id)
@@ -561,7 +562,8 @@ def _verified(
     start, length = block_span(index, chunk.size)
     base = block_span(first, chunk.size)[0]
     block = data[start - base : start - base + length]
-    if len(block) != length or block_digest(block) != block_list[32 * index : 32 * index + 32]:
+    digest = block_digest(block, hash_of(chunk.id)) if len(block) == length else b""
+    if digest != block_list[32 * index : 32 * index + 32]:
         return None
     return block
 

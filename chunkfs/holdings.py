@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hypermesh.chunkfs.cache import HAVE_HEADER, MAGIC, block_span
-from hypermesh.chunkfs.format import BLOCK_SIZE, block_count
+from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, shard
 
 READS_FILE = "reads.json"
 """Beside a mount's ``chunks`` cache root: blocks its reads were served, by source
@@ -51,7 +51,7 @@ class Holding:
 
 
 def _have_path(cache_root: Path, chunk_id: str) -> Path:
-    return cache_root / "v1" / chunk_id[:2] / f"{chunk_id}.have"
+    return cache_root / "v1" / shard(chunk_id) / f"{chunk_id}.have"
 
 
 def read_holding(cache_root: Path, chunk_id: str) -> Holding | None:
@@ -75,9 +75,9 @@ def scan(cache_roots: Iterable[Path]) -> dict[str, Holding]:
             shards = list(os.scandir(root / "v1"))
         except OSError:
             continue
-        for shard in shards:
+        for folder in shards:
             try:
-                names = [e.name for e in os.scandir(shard.path) if e.name.endswith(".have")]
+                names = [e.name for e in os.scandir(folder.path) if e.name.endswith(".have")]
             except OSError:
                 continue
             for name in names:
@@ -119,7 +119,7 @@ def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> byt
     holding = read_holding(cache_root, chunk_id)
     if holding is None or not holding.covers(offset, length):
         return None
-    path = cache_root / "v1" / chunk_id[:2] / f"{chunk_id}.data"
+    path = cache_root / "v1" / shard(chunk_id) / f"{chunk_id}.data"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:

@@ -91,11 +91,12 @@ class PutProgress:
     started: float = field(default_factory=time.monotonic)
 
 
-def block_list_of(data: bytes | memoryview) -> bytes:
-    """The concatenated block digests of a chunk's bytes."""
+def block_list_of(data: bytes | memoryview, algo: str = fmt.BLOCK_HASH) -> bytes:
+    """The concatenated block digests (with ``algo``) of a chunk's bytes."""
     view = memoryview(data)
     return b"".join(
-        fmt.block_digest(view[i : i + fmt.BLOCK_SIZE]) for i in range(0, len(view), fmt.BLOCK_SIZE)
+        fmt.block_digest(view[i : i + fmt.BLOCK_SIZE], algo)
+        for i in range(0, len(view), fmt.BLOCK_SIZE)
     )
 
 
@@ -191,8 +192,8 @@ class _Packer:
 
     def _upload(self, index: int, data: bytes) -> None:
         try:
-            blocks = block_list_of(data)
-            cid = fmt.chunk_id(blocks)
+            blocks = block_list_of(data, fmt.BLOCK_HASH)
+            cid = fmt.chunk_id(blocks, fmt.BLOCK_HASH)
             if self._retry(lambda: self.store.size(fmt.blocks_key(cid))) == len(blocks):
                 with self.lock:
                     self.progress.chunks_existing += 1

@@ -45,13 +45,39 @@ def _err(message: str) -> None:
     click.echo(f"hypermesh: {message}", err=True)
 
 
+_profile: Any = None
+
+
+def _profiled(run: Callable[..., T], *args: Any) -> T:
+    """``run(*args)``, under cProfile when ``HYPERMESH_PROFILE_DIR`` names a directory:
+    the profile goes to ``DIR/<pid>.prof`` when it returns (a developer's tool)."""
+    global _profile
+    if not os.environ.get("HYPERMESH_PROFILE_DIR"):
+        return run(*args)
+    import cProfile
+
+    _profile = cProfile.Profile()
+    try:
+        return _profile.runcall(run, *args)  # type: ignore[no-any-return]
+    finally:
+        _dump_profile()
+
+
+def _dump_profile() -> None:
+    """Write the profile ``_profiled`` is taking, if any (also before ``os._exit``)."""
+    out = os.environ.get("HYPERMESH_PROFILE_DIR")
+    if _profile is not None and out:
+        _profile.disable()
+        _profile.dump_stats(os.path.join(out, f"{os.getpid()}.prof"))
+
+
 def run_async(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
     """Run an async command; turn hypermesh errors into messages and exit codes."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
-            return asyncio.run(fn(*args, **kwargs))
+            return _profiled(asyncio.run, fn(*args, **kwargs))
         except RecipeError as exc:
             for problem in exc.problems:
                 click.echo(f"error: {problem}", err=True)
@@ -317,6 +343,7 @@ def agent_start(
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
+        _dump_profile()
         os._exit(0)
 
     run_async(run_then_exit)()

@@ -34,7 +34,7 @@ One kind lives beside the namespace, not under it, so that the agents' watch of 
 namespace never sees it (it changes with every cold chunk read):
 
 - ``/hypermesh-fetching/<namespace>/<chunk>/<offset>-<length>``: the node fetching
-  that chunk range from the object store now; on a short lease of its own
+  that segment of a chunk from the object store now; on a short lease of its own
   (``agent/chunk_share.py``).
 """
 

@@ -98,9 +98,11 @@ def test_holders_leave_out_suspect_and_dead_members_and_include_this_node() -> N
 
 def test_malformed_meta_is_ignored() -> None:
     me = ChunkPeers("me")
+    good = {"chunks": {"v": 1, "d": "0" * 16}}
+    assert not me.observe("a", good)  # a member gossip has not reported alive: ignored
+    me.member_state("a", "alive")
     for meta in ({}, {"chunks": 3}, {"chunks": {"v": "1", "d": "x"}}):
         assert not me.observe("a", meta)
-    me.member_state("a", "alive")
     bad_delta = {"v": 2, "d": "0" * 16, "delta": {"b": 5, "v": 2}}
     assert me.observe("a", {"chunks": bad_delta})  # the delta is refused, the digest differs
 

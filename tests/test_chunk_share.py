@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,9 @@ from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.localmesh import AgentProcess, wait_for
+from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
 from hypermesh.s3server import S3Server
-from tests.conftest import Mesh
+from tests.conftest import TEST_BUCKET, Mesh
 from tests.s3_proxy import CountingProxy
 
 MiB = 1 << 20
@@ -69,28 +70,55 @@ def holders(node: Node, chunk: ChunkInfo) -> set[str]:
     return set(locate(node, chunk).chunks[0].nodes)
 
 
+def reads(mesh: Mesh) -> dict[str, dict[str, int]]:
+    """Blocks each node's mounts read, by source, as gossip tells ``nodes --json``."""
+    zero = {"cache": 0, "peer": 0, "store": 0}
+    return {r["name"]: (r["load"] or {}).get("reads") or zero for r in mesh.hm_json("nodes")}
+
+
+@pytest.fixture(scope="module")
+def agents(
+    etcd_server: EtcdServer, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Mesh, str]]:
+    """Two agents for the whole module (each test mounts its own data set)."""
+    mesh = Mesh(etcd_server, tmp_path_factory.mktemp("share"))
+    store_url = s3_server.url(TEST_BUCKET, f"t{uuid.uuid4().hex[:10]}")
+    try:
+        for name in ("a", "b"):
+            mesh.agent(name, extra=("--store", store_url))
+        yield mesh, store_url
+    finally:
+        mesh.close()
+
+
 @pytest.fixture
-def pair(
-    mesh: Mesh, store: S3Store, store_url: str, s3_server: S3Server, tmp_path: Path
-) -> Iterator[Pair]:
+def pair(agents: tuple[Mesh, str], s3_server: S3Server, tmp_path: Path) -> Iterator[Pair]:
+    mesh, store_url = agents
+    name = f"shared-{uuid.uuid4().hex[:8]}"
     src = tmp_path / "src"
     src.mkdir()
-    data = {name: os.urandom(3 * MiB) for name in FILES}
-    for name, content in data.items():
-        (src / name).write_bytes(content)
-    root = put_dataset(store, src, "shared", chunk_size=4 * MiB)
+    data = {f: os.urandom(3 * MiB) for f in FILES}
+    for f, content in data.items():
+        (src / f).write_bytes(content)
+    store = S3Store(TEST_BUCKET, store_url.removeprefix(f"s3://{TEST_BUCKET}/"),
+                    endpoint=s3_server.endpoint)
+    try:
+        root = put_dataset(store, src, name, chunk_size=4 * MiB)
+    finally:
+        store.close()
     assert len(root.chunks) == len(FILES)
     nodes: list[Node] = []
     with CountingProxy(s3_server.endpoint) as pa, CountingProxy(s3_server.endpoint) as pb:
         try:
-            for name, proxy in (("a", pa), ("b", pb)):
-                agent = mesh.agent(name, extra=("--store", store_url))
+            for agent, proxy in ((mesh.agents["a"], pa), (mesh.agents["b"], pb)):
+                if not agent.alive:  # an earlier test killed it
+                    agent.start()
                 work = agent.work_dir / "chunkfs"
-                (work / "mnt" / "shared").mkdir(parents=True)
+                (work / "mnt" / name).mkdir(parents=True)
                 mount = MountProcess(
-                    "shared",
-                    work / "mnt" / "shared",
-                    cache_dir=work / "cache" / "shared",
+                    name,
+                    work / "mnt" / name,
+                    cache_dir=work / "cache" / name,
                     store_url=store_url,
                     deadline="20s",
                     agent=agent.address,
@@ -107,25 +135,29 @@ def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
     pair: Pair,
 ) -> None:
     a, b, first = pair.a, pair.b, pair.chunks[0]
+    before = reads(pair.mesh)
     assert a.read("a.bin") == pair.data["a.bin"]
     assert a.gets(first) >= 1
     wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    with grpc.insecure_channel(a.agent.address) as channel:  # what a peer would fetch whole
+        whole = agent_pb2_grpc.AgentStub(channel).ChunkSet(agent_pb2.ChunkSetRequest(), timeout=5)
+    assert whole.node == "a" and first.id in whole.chunks and whole.version >= 1
     assert b.read("a.bin") == pair.data["a.bin"]
     assert b.gets(first) == 0
     assert b.blocks("peer") == 3 and b.blocks("store") == 0
     # b advertises it too now; a peer's cache counts like any other
     wait_for(lambda: holders(a, first) == {"a", "b"}, 20, "a to learn that b holds it")
+    wait_for(lambda: reads(pair.mesh)["b"]["peer"] > before["b"]["peer"], 20,
+             "b's reads from a peer in gossip")
 
-    def rates() -> dict[str, dict[str, float] | None]:
-        return {r["name"]: r["hit_rates"] for r in pair.mesh.hm_json("nodes")}
-
-    # hit rates by source reach `hypermesh nodes`: b read nothing from the store
-    wait_for(lambda: all(rates().values()), 20, "both nodes' hit rates in gossip")
-    seen = rates()
-    assert seen["a"] is not None and seen["a"]["store"] > 0 and seen["a"]["peer"] == 0
-    assert seen["b"] is not None and seen["b"]["store"] == 0 and seen["b"]["peer"] > 0
-    table = pair.mesh.hm("nodes", check=True).stdout
-    assert "HITS C/P/S %" in table
+    # blocks read by source reach `hypermesh nodes` (counts in the gossiped meta,
+    # shares in hit_rates): this read of b's came from a peer, not from the store
+    now = reads(pair.mesh)
+    assert now["a"]["store"] > before["a"]["store"] and now["a"]["peer"] == before["a"]["peer"]
+    assert now["b"]["store"] == before["b"]["store"]
+    rows = {r["name"]: r for r in pair.mesh.hm_json("nodes")}
+    assert all(rows[n]["hit_rates"] for n in "ab") and rows["b"]["hit_rates"]["peer"] > 0
+    assert "HITS C/P/S %" in pair.mesh.hm("nodes", check=True).stdout
 
 
 def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
@@ -158,7 +190,7 @@ def test_a_frozen_then_killed_peer_costs_the_reader_only_time(pair: Pair) -> Non
         assert b.read("b.bin") == pair.data["b.bin"]  # a's deadline passes: the store
     finally:
         os.kill(a.agent.proc.pid, signal.SIGCONT)
-    a.agent.kill()  # and now a is gone for good
+    a.agent.kill()  # and now a is gone (the next test starts it again)
     assert b.read("c.bin") == pair.data["c.bin"]
     assert b.gets(pair.chunks[0]) == 0
     assert b.gets(pair.chunks[1]) >= 1 and b.gets(pair.chunks[2]) >= 1

@@ -8,22 +8,30 @@ from pathlib import Path
 
 import pytest
 from hypermesh.chunkfs.cache import ChunkCache, block_span
-from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, block_digest, chunk_id
+from hypermesh.chunkfs.format import (
+    BLAKE3,
+    BLOCK_SIZE,
+    block_count,
+    block_digest,
+    chunk_id,
+    shard,
+)
 
 MiB = 1 << 20
 
 
 class Chunk:
-    """A chunk of deterministic pseudo-random bytes with its block list and id."""
+    """A chunk of deterministic pseudo-random bytes with its block list and id
+    (BLAKE3 digests, as ``data put`` writes them, unless ``algo`` says otherwise)."""
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, algo: str = BLAKE3) -> None:
         self.size = size
         self.data = random.Random(seed).randbytes(size)
         self.block_list = b"".join(
-            block_digest(self.data[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+            block_digest(self.data[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], algo)
             for i in range(block_count(size))
         )
-        self.id = chunk_id(self.block_list)
+        self.id = chunk_id(self.block_list, algo)
 
     def block(self, index: int) -> bytes:
         start, length = block_span(index, self.size)
@@ -50,7 +58,7 @@ def test_put_then_read_any_range(tmp_path: Path) -> None:
     fill(cache, other, [5])
     assert cache.present(other.id) == [5]
     assert not cache.ready(other.id, 4)
-    assert os.stat(tmp_path / "v1" / other.id[:2] / f"{other.id}.data").st_blocks * 512 < 2 * MiB
+    assert os.stat(tmp_path / "v1" / shard(other.id) / f"{other.id}.data").st_blocks * 512 < 2 * MiB
 
 
 def test_admit_rejects_a_block_list_that_is_not_the_chunks(tmp_path: Path) -> None:
@@ -78,7 +86,7 @@ def test_bound_evicts_least_recently_used_whole_chunks(tmp_path: Path) -> None:
     assert b.id not in cache.chunk_ids()
     assert set(cache.chunk_ids()) == {a.id, c.id, d.id}
     assert events == [(a.id, True), (b.id, True), (c.id, True), (b.id, False), (d.id, True)]
-    assert not (tmp_path / "v1" / b.id[:2] / f"{b.id}.data").exists()
+    assert not (tmp_path / "v1" / shard(b.id) / f"{b.id}.data").exists()
 
 
 def test_pinned_chunks_are_not_evicted_and_a_block_that_does_not_fit_is_refused(
@@ -124,7 +132,7 @@ def test_restart_discards_blocks_that_do_not_verify(tmp_path: Path) -> None:
     a = Chunk(3 * MiB, 1)
     fill(cache, a)
     cache.close()
-    data = tmp_path / "v1" / a.id[:2] / f"{a.id}.data"
+    data = tmp_path / "v1" / shard(a.id) / f"{a.id}.data"
     with open(data, "r+b") as f:  # a bit flip in block 1, a crash-lost write in block 2
         f.seek(MiB + 10)
         f.write(b"\xff")
@@ -151,14 +159,14 @@ def test_restart_drops_chunks_whose_records_cannot_be_trusted(tmp_path: Path) ->
         fill(cache, chunk)
     cache.close()
     folder = tmp_path / "v1"
-    (folder / a.id[:2] / f"{a.id}.blocks").write_bytes(b"not the block list")
-    (folder / b.id[:2] / f"{b.id}.have").unlink()
-    (folder / c.id[:2] / f"{c.id}.have.tmp1").write_bytes(b"half-written")
+    (folder / shard(a.id) / f"{a.id}.blocks").write_bytes(b"not the block list")
+    (folder / shard(b.id) / f"{b.id}.have").unlink()
+    (folder / shard(c.id) / f"{c.id}.have.tmp1").write_bytes(b"half-written")
 
     again = ChunkCache(tmp_path, 64 * MiB)
     assert again.chunk_ids() == [c.id]
-    assert sorted(p.name for p in (folder / a.id[:2]).iterdir()) == []
-    assert sorted(p.name for p in (folder / c.id[:2]).iterdir()) == [
+    assert sorted(p.name for p in (folder / shard(a.id)).iterdir()) == []
+    assert sorted(p.name for p in (folder / shard(c.id)).iterdir()) == [
         f"{c.id}.blocks",
         f"{c.id}.data",
         f"{c.id}.have",
@@ -171,7 +179,7 @@ def test_restart_with_a_smaller_bound_evicts_the_oldest(tmp_path: Path) -> None:
     for i, chunk in enumerate(chunks):
         fill(cache, chunk)
         cache.flush()
-        have = tmp_path / "v1" / chunk.id[:2] / f"{chunk.id}.have"
+        have = tmp_path / "v1" / shard(chunk.id) / f"{chunk.id}.have"
         os.utime(have, (1_000_000 + i, 1_000_000 + i))
     cache.close()
     again = ChunkCache(tmp_path, 2 * MiB)

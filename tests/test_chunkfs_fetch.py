@@ -21,7 +21,7 @@ from hypermesh.chunkfs.fetch import (
     push_pages,
     runs,
 )
-from hypermesh.chunkfs.format import ChunkInfo, Entry, Extent, blocks_key, chunk_key
+from hypermesh.chunkfs.format import ChunkInfo, Entry, Extent, blocks_key, chunk_key, hash_of
 from hypermesh.chunkfs.store import ObjectStore, S3Store
 
 from hypermesh.errors import CorruptData, NoSuchObject, StoreUnavailable
@@ -166,8 +166,13 @@ def test_concurrent_reads_of_a_block_share_one_get(
     assert len(fake.ranges) == 1
 
 
-def test_a_corrupt_block_is_never_returned(fake: FakeStore, reader: ChunkReader) -> None:
-    chunk = Chunk(4 * MiB, 3)
+@pytest.mark.parametrize("algo", ["blake3", "sha256"])
+def test_a_corrupt_block_is_never_returned(
+    fake: FakeStore, reader: ChunkReader, algo: str
+) -> None:
+    """For chunks of both digest algorithms (SHA-256: data sets put before BLAKE3)."""
+    chunk = Chunk(4 * MiB, 3, algo)
+    assert hash_of(chunk.id) == algo
     info = put_chunk(fake, chunk)
 
     def flip_block_2(key: str, start: int, data: bytes) -> bytes:

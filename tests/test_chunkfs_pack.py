@@ -202,10 +202,35 @@ def test_new_version_shares_unchanged_chunks(store: S3Store, tree: Path) -> None
     assert len(list_versions(store, "ds")) == 5
 
 
-def test_corrupt_chunk_never_gives_wrong_bytes(
-    store: S3Store, tree: Path, tmp_path: Path
+def test_chunks_are_blake3_and_sha256_data_sets_still_read(
+    store: S3Store, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A version put before BLAKE3 (SHA-256 blocks, ids of 64 hex) reads back as it was;
+    a put of the same tree now makes BLAKE3 chunks (ids ``b3`` + 64 hex), stored under
+    the same two-hex-digit shards."""
+    with monkeypatch.context() as m:
+        m.setattr(fmt, "BLOCK_HASH", fmt.SHA256)
+        old = put_dataset(store, tree, "mixed", chunk_size=CHUNK)
+    new = put_dataset(store, tree, "mixed", chunk_size=CHUNK)
+    assert all(len(c.id) == 64 and fmt.hash_of(c.id) == fmt.SHA256 for c in old.chunks)
+    assert all(c.id.startswith("b3") and len(c.id) == 66 for c in new.chunks)
+    assert all(fmt.hash_of(c.id) == fmt.BLAKE3 for c in new.chunks)
+    assert not {c.id for c in old.chunks} & {c.id for c in new.chunks}
+    for c in new.chunks:
+        assert fmt.chunk_key(c.id) == f"chunks/{c.id[2:4]}/{c.id}"
+        assert store.size(fmt.blocks_key(c.id)) == 32 * fmt.block_count(c.size)
+    for version, out in ((old.version, "old"), (new.version, "new")):
+        get_dataset(store, f"mixed@{version}", tmp_path / out)
+        assert snapshot(tmp_path / out) == snapshot(tree)
+
+
+@pytest.mark.parametrize("algo", [fmt.BLAKE3, fmt.SHA256])
+def test_corrupt_chunk_never_gives_wrong_bytes(
+    store: S3Store, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algo: str
+) -> None:
+    monkeypatch.setattr(fmt, "BLOCK_HASH", algo)
     root = put_dataset(store, tree, "c", chunk_size=CHUNK)
+    assert fmt.hash_of(root.chunks[0].id) == algo
     cid = root.chunks[0].id
     data = bytearray(store.get(fmt.chunk_key(cid)))
     data[len(data) // 3] ^= 0x01
