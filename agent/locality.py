@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hypermesh.agent.chunk_peers import HoldersView
 from hypermesh.agent.claims import fits
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.placement import Inputs, Placement, prune_since
@@ -77,7 +78,7 @@ class Locality:
         wake: Callable[[], None],
         decide: Callable[[str], None],
         alive: Callable[[str], bool] = lambda name: True,
-        holders: Callable[[str], frozenset[str]] = lambda chunk: NO_HOLDERS,
+        holders: HoldersView = lambda chunk: NO_HOLDERS,
     ) -> None:
         self.name = name
         self.store_url = store_url
