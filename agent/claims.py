@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 
 from hypermesh.agent.gpu_pool import GpuInfo, GpuPool
+from hypermesh.agent.placement import Placement
 
 from hypermesh.keyspace import TaskRef
 from hypermesh.model import TERMINAL, MeshView, NodeRecord
@@ -58,13 +59,16 @@ def choose_claims(
     load: LocalLoad,
     limit: int,
     rng: random.Random | None = None,
+    placement: Placement | None = None,
 ) -> list[ClaimPlan]:
     """Up to ``limit`` tasks this node can start now, with attempt numbers and slots.
 
     With ``rng`` and several live nodes, each node picks at random among the
     lowest open indices (a window as wide as the nodes' combined batch), so
     agents racing for the same experiment rarely collide on the same tasks
-    while work still drains roughly in index order.
+    while work still drains roughly in index order. With ``placement``, tasks whose
+    data this node holds come first and tasks a holder should take are skipped for a
+    while (``agent/placement.py``).
     """
     spread = max(1, len(view.nodes)) if rng is not None else 1
     free = node.slots - len(load.running)
@@ -103,9 +107,13 @@ def choose_claims(
             want = limit - len(plans)
             if workers is not None:
                 want = min(want, len(free_slots))
+            first: list[int] = []
+            if placement is not None:
+                first, open_indices = placement.split(wf.id, exp, open_indices)
             window = heapq.nsmallest(want * spread + len(load.running), open_indices)
             if rng is not None and spread > 1:
                 window = sorted(rng.sample(window, min(len(window), want + len(load.running))))
+            window = first + window
             for index in window:
                 ref = TaskRef(wf.id, name, index)
                 if ref in load.running:

@@ -35,6 +35,7 @@ from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gpu_pool import GpuPool, gpu_source, visible_devices
 from hypermesh.agent.health import Health
+from hypermesh.agent.locality import Locality
 from hypermesh.agent.metrics import MetricsServer
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
@@ -121,6 +122,10 @@ class Agent:
         share_cfg = ShareConfig.local() if cfg.preset == "local" else ShareConfig.lan()
         self.share = ChunkShare(self, share_cfg)  # peer chunk sharing; .share.peers.holders()
         self.logs = LogShipper(cfg.store, namespace, cfg.log_upload_s)
+        self.locality = None if cfg.locality_delay is None else Locality(
+            cfg.name, cfg.store, cfg.locality_delay, self.mounts, lambda: self._wake.set(),
+            self.decide, self.gossip.alive, self.share.peers.holders,
+        )
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self.gangs = GangDuty(self)  # seats in gangs (experiments with nodes > 1)
@@ -133,7 +138,7 @@ class Agent:
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
-        self._wake = asyncio.Event()
+        self._wake: asyncio.Event = asyncio.Event()
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
         self._mirror_ready = asyncio.Event()
@@ -189,7 +194,8 @@ class Agent:
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
-        self.mounts.agent_address = self.address
+        if self.cfg.peer_sharing:
+            self.mounts.agent_address = self.address
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
         if self.cfg.metrics_listen is not None:
@@ -254,6 +260,8 @@ class Agent:
                 await self.metrics.close()
             await self._server.stop(grace=1.0)
             self.telemetry.close()
+            if self.locality is not None:
+                self.locality.close()
             if self._dashboard_start is not None:
                 self._dashboard_start.cancel()
             if self._dashboard is not None:
@@ -496,7 +504,10 @@ class Agent:
             if self.view.revision < self.written_revision:
                 return  # the watch will bring our own writes and wake us
             load = self._load()
-            plans = choose_claims(self.view, self.record(), load, batch, self.rng)
+            placement = self.locality.placement(self.view) if self.locality else None
+            plans = choose_claims(self.view, self.record(), load, batch, self.rng, placement)
+            if self.locality is not None and placement is not None:
+                self.locality.after_round(placement, self.view)
             if not plans:
                 return
             revision = await claim_tasks(

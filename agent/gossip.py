@@ -301,6 +301,11 @@ class Gossip:
         except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
             log.exception("revoking the lease of %s", member)
 
+    def alive(self, name: str) -> bool:
+        """Whether gossip has ``name`` alive (or has not heard of it yet)."""
+        member = self.swim.member(name) if self.swim is not None else None
+        return member is None or member.state == "alive"
+
     def members(self) -> agent_pb2.Members:
         if self.swim is None:
             return agent_pb2.Members()

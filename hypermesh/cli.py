@@ -31,6 +31,7 @@ from hypermesh.config import (
     AgentConfig,
     default_etcd,
     default_namespace,
+    parse_locality_delay,
 )
 from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
 from hypermesh.etcd import Etcd, parse_endpoints
@@ -240,6 +241,21 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "[lan: 127.0.0.1:7071, local: 127.0.0.1:0].",
 )
 @click.option(
+    "--locality-delay",
+    default="3",
+    show_default=True,
+    metavar="SECONDS|off",
+    help="How long to leave a task to a node holding more of its input data; "
+    "'off': ignore where data is.",
+)
+@click.option(
+    "--peer-sharing",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="Whether mounts fetch chunks from peers (and share cold reads) before the store.",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -269,6 +285,8 @@ def agent_start(
     metrics_listen: str,
     telemetry_period: float | None,
     http_listen: str | None,
+    locality_delay: str,
+    peer_sharing: str,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -309,6 +327,8 @@ def agent_start(
     if not logging.getLogger().isEnabledFor(logging.INFO):
         logging.getLogger().setLevel(logging.INFO)
     try:
+        overrides["locality_delay"] = parse_locality_delay(locality_delay)
+        overrides["peer_sharing"] = peer_sharing == "on"
         cfg = AgentConfig.local(**overrides) if preset == "local" else AgentConfig.lan(**overrides)
     except UsageError as exc:
         _err(f"error: {exc}")

@@ -122,6 +122,19 @@ class AgentConfig:
     telemetry_history: int = 120
     """Samples of node telemetry kept in memory (1-100000; 120 x 5 s = 10 minutes)."""
 
+    locality_delay: float | None = 3.0
+    """Seconds (0-600) an agent leaves a claimable task to another live node that holds
+    more of its input data (the recipe's ``inputs``) before it claims the task itself
+    (delay scheduling; ``--locality-delay``). Longer: more tasks run where their data is
+    cached, at the cost of idle slots while a busy holder finishes. 0: prefer tasks
+    whose data this node holds, never wait. None (``off``): place tasks without
+    regard to data, as if no task had inputs."""
+
+    peer_sharing: bool = True
+    """Whether this node's data set mounts ask the agent for chunks that peers hold
+    (and share cold reads with them) before the object store (``--peer-sharing``).
+    Off: every miss goes to the store; the node still advertises what it holds."""
+
     def __post_init__(self) -> None:
         if not NODE_NAME_RE.fullmatch(self.name):
             raise UsageError(
@@ -150,6 +163,8 @@ class AgentConfig:
             _check_range("--gpus", self.gpus, 0, 1024)
         _check_range("--telemetry-period", self.telemetry_period, 0.2, 3600)
         _check_range("telemetry_history", self.telemetry_history, 1, 100_000)
+        if self.locality_delay is not None:
+            _check_range("--locality-delay", self.locality_delay, 0, 600)
         _check_address("--listen", self.listen)
         if self.metrics_listen is not None:
             _check_address("--metrics-listen", self.metrics_listen)
@@ -187,6 +202,18 @@ def _check_address(name: str, address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise UsageError(f"{name} {address!r}: expected HOST:PORT")
+
+
+def parse_locality_delay(text: str) -> float | None:
+    """``--locality-delay``: seconds, or ``off`` (None); ``UsageError`` otherwise."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise UsageError(
+            f"--locality-delay {text!r}: expected seconds (0-600) or 'off'"
+        ) from None
 
 
 def default_etcd() -> str:

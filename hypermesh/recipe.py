@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hypermesh.errors import NotFound, Problem, RecipeError
+from hypermesh.inputs import input_problems
 from hypermesh.recipe_ml import (
     EXPERIMENT_SAMPLINGS,
     PRUNERS,
@@ -153,9 +154,11 @@ class Experiment:
     sampling: str | None = None  # None or "random": drawn up front; "tpe": adaptive
     pruning: str | None = None  # "median": stop trials worse than the median
     nodes: int = 1  # > 1: each task is a gang of this many members (agent/gang.py)
+    inputs: tuple[str, ...] = ()  # ALIAS/PATH templates: what each task reads (placement)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "parameters", tuple(self.parameters))
         object.__setattr__(self, "after", tuple(self.after))
@@ -262,7 +265,7 @@ _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
-    "pruning", "nodes",
+    "pruning", "nodes", "inputs",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
@@ -357,6 +360,7 @@ class _Checker(MLChecker):
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
         pools = optional("pools", self.pools) or ()
+        inputs = optional("inputs", self.inputs, data, declared) or ()
         objective = optional("objective", self.objective)
         sampling = self.choice(spec.get("sampling"), f"{path}.sampling", EXPERIMENT_SAMPLINGS)
         pruning = self.choice(spec.get("pruning"), f"{path}.pruning", PRUNERS)
@@ -372,7 +376,7 @@ class _Checker(MLChecker):
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
-            pruning=pruning, nodes=nodes,
+            pruning=pruning, nodes=nodes, inputs=inputs,
         )
 
     # ------------------------------------------------------------------ data sets
@@ -400,6 +404,26 @@ class _Checker(MLChecker):
                 continue
             result[alias] = spec
         return result
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(
+        self, node: _Node, path: str, data: dict[str, str], declared: list[str]
+    ) -> tuple[str, ...] | None:
+        """``inputs``: one ``ALIAS/PATH`` template or a list of them (hypermesh.inputs)."""
+        items = node.value if isinstance(node.value, list) else [node]
+        if not items:
+            self.at(node, path, "expected an ALIAS/PATH or a list of them, got an empty list")
+            return None
+        found: list[str] = []
+        for i, item in enumerate(items):
+            where = f"{path}[{i}]" if isinstance(node.value, list) else path
+            text = self.string(item, where)
+            problems = [] if text is None else input_problems(text, data, declared)
+            for message in problems:
+                self.at(item, where, message)
+            if text is not None and not problems:
+                found.append(text)
+        return tuple(found) if len(found) == len(items) else None
 
     # ------------------------------------------------------------------ pools
     def pools(self, node: _Node, path: str) -> tuple[str, ...] | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import re
 import shlex
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from hypermesh.errors import FatalError
@@ -32,6 +32,7 @@ __all__ = [
     "placeholder_problems",
     "quoted_placeholders",
     "render",
+    "render_plain",
     "template_names",
 ]
 
@@ -156,7 +157,16 @@ def render(template: str, values: Mapping[str, Any]) -> str:
 
     Raises ``TemplateError`` for a name missing from ``values`` or a malformed placeholder.
     """
+    return _substitute(template, values, shlex.quote)
 
+
+def render_plain(template: str, values: Mapping[str, Any]) -> str:
+    """``template`` with every placeholder replaced by its value's text, unquoted: for
+    templates that never reach a shell (a task's input paths). Errors as ``render``."""
+    return _substitute(template, values, lambda text: text)
+
+
+def _substitute(template: str, values: Mapping[str, Any], quote: Callable[[str], str]) -> str:
     def substitute(match: re.Match[str]) -> str:
         name = match.group(1).strip()
         if not _IDENTIFIER.fullmatch(name):
@@ -166,7 +176,7 @@ def render(template: str, values: Mapping[str, Any]) -> str:
             raise TemplateError(
                 f"unknown template variable {name!r} in {template!r} (known: {known})"
             )
-        return shlex.quote(format_value(values[name]))
+        return quote(format_value(values[name]))
 
     return _BRACES.sub(substitute, template)
 
