@@ -183,8 +183,10 @@ class ChunkShare:
                 self.counters["peer_fetches"] += 1
                 return
         if holders:
+            # Holders of the chunk, but none has this range (yet: a holder may be
+            # fetching the chunk's other blocks right now): race for the segment like
+            # a cold miss, so that only one node reads it from the store.
             self.counters["peer_misses"] += 1
-            return  # holders known but none answered: no race, to the store
         winner = await self._race(chunk, offset) if self.cfg.dedup_wait_s > 0 else None
         if winner is None or winner == self.agent.cfg.name:
             self.counters["cold_won"] += 1

@@ -272,11 +272,14 @@ class ChunkCache:
                 with self._lock:
                     rec.pins -= 1
 
-    def put_block(self, cid: str, index: int, data: bytes | memoryview) -> bool:
+    def put_block(
+        self, cid: str, index: int, data: bytes | memoryview, evict: bool = True
+    ) -> bool:
         """Store block ``index`` (already verified by the caller). False: not stored.
 
         Not stored means the chunk was never admitted, or the block does not fit even
-        after evicting every unpinned chunk.
+        after evicting every unpinned chunk — or, with ``evict`` False, does not fit in
+        the free space (bytes a peer holds too never push out what only this node has).
         """
         entered = False
         evicted: list[str] = []
@@ -287,7 +290,7 @@ class ChunkCache:
             start, length = block_span(index, rec.size)
             if len(data) != length:
                 raise ValueError(f"block {index} of {cid}: {len(data)} bytes, expected {length}")
-            evicted = self._evict_for(length, keep=cid)
+            evicted = self._evict_for(length, keep=cid) if evict else []
             if self._bytes + length > self.max_bytes:
                 self._notify_left(evicted)
                 return False

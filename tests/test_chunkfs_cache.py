@@ -185,3 +185,15 @@ def test_restart_with_a_smaller_bound_evicts_the_oldest(tmp_path: Path) -> None:
     again = ChunkCache(tmp_path, 2 * MiB)
     assert again.chunk_ids() == [chunks[2].id, chunks[3].id]
     assert again.used_bytes == 2 * MiB
+
+
+def test_a_block_that_must_not_evict_is_stored_only_into_free_space(tmp_path: Path) -> None:
+    """Blocks a peer served (``evict=False``) never push out what the cache holds."""
+    cache = ChunkCache(tmp_path, 2 * MiB)
+    own, peer = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2)
+    fill(cache, own)
+    cache.admit(peer.id, peer.size, peer.block_list)
+    assert not cache.put_block(peer.id, 0, peer.block(0), evict=False)
+    assert cache.present(own.id) == [0, 1] and cache.present(peer.id) == []
+    assert cache.put_block(peer.id, 0, peer.block(0))  # an own fetch may evict
+    assert cache.present(peer.id) == [0] and cache.used_bytes <= 2 * MiB
