@@ -139,6 +139,7 @@ class Agent:
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
         self._wake: asyncio.Event = asyncio.Event()
+        self.claiming: set[TaskRef] = set()  # tasks of the claim transaction in flight
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
         self._mirror_ready = asyncio.Event()
@@ -493,6 +494,7 @@ class Agent:
                 load.slots_held.add((ref.workflow, ref.experiment, r.plan.slot))
             load.gpus_used += r.gpus
         load.running |= self.gangs.held()  # a seat in a gang takes a slot
+        load.running |= self.claiming
         if self.machine.gpus:
             load.gpu_pool = self.gpu_pool.copy()
             load.gpu_devices = self.gpu_source.devices()
@@ -510,9 +512,22 @@ class Agent:
                 self.locality.after_round(placement, self.view)
             if not plans:
                 return
-            revision = await claim_tasks(
-                self.etcd, self.ks, plans, self.cfg.name, self.lease, time.time()
-            )
+            # Until the claim is decided its slots and GPUs are taken here, so that a
+            # gang seat joined meanwhile (agent/gang_duty.py) cannot take them too.
+            self.claiming = {plan.ref for plan in plans}
+            if load.gpu_pool is not None:
+                for plan in plans:
+                    self.gpu_pool.adopt(load.gpu_pool, plan.ref)
+            revision = None
+            try:
+                revision = await claim_tasks(
+                    self.etcd, self.ks, plans, self.cfg.name, self.lease, time.time()
+                )
+            finally:
+                self.claiming = set()
+                if revision is None:
+                    for plan in plans:
+                        self.gpu_pool.release(plan.ref)
             if revision is None:
                 # Someone else got there first; the watch will bring the change.
                 return

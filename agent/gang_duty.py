@@ -65,6 +65,7 @@ class GangDuty:
         self.backoff: dict[TaskRef, float] = {}
         self.processes: dict[TaskRef, AttemptProcess] = {}
         self.devices: dict[TaskRef, list[int]] = {}  # GPUs booked for each seat
+        self.joining: set[TaskRef] = set()  # seats whose join transaction is in flight
         self.written_revision = 0
         self._wake = asyncio.Event()
         self._runs: set[asyncio.Task[None]] = set()
@@ -73,8 +74,8 @@ class GangDuty:
         self._wake.set()
 
     def held(self) -> set[TaskRef]:
-        """Gang tasks this node holds a seat of: each takes a slot."""
-        return set(self.members)
+        """Gang tasks this node holds a seat of, or is joining: each takes a slot."""
+        return set(self.members) | self.joining
 
     def task_roots(self) -> list[TaskRoot]:
         """The first process of each member process running here, for telemetry."""
@@ -123,7 +124,8 @@ class GangDuty:
 
     async def _tick(self) -> None:
         agent = self.agent
-        free = agent.cfg.slots - len(agent.running) - len(self.members)
+        free = (agent.cfg.slots - len(agent.running) - len(agent.claiming) - len(self.members)
+                - len(self.joining))
         actions = gang.plan(
             agent.view, agent.record(), self.members, self.backoff, free, time.monotonic(),
             self.cfg, accepting=not agent._stop.is_set(),
@@ -187,12 +189,18 @@ class GangDuty:
                 return  # no GPU fits now: another look after the next change
             self.devices[ref] = booked
         host = agent.address.rpartition(":")[0]
-        revision = await gang_txns.join(
-            agent.etcd, agent.ks, ref, action.rank, agent.cfg.name, host, agent.lease
-        )
+        self.joining.add(ref)
+        revision = None
+        try:
+            revision = await gang_txns.join(
+                agent.etcd, agent.ks, ref, action.rank, agent.cfg.name, host, agent.lease
+            )
+        finally:
+            self.joining.discard(ref)
+            if revision is None:
+                self.devices.pop(ref, None)
+                agent.gpu_pool.release(("gang", ref))
         if revision is None:
-            self.devices.pop(ref, None)
-            agent.gpu_pool.release(("gang", ref))
             return  # someone took that rank first; the watch brings the change
         self._wrote(revision)
         self.members[ref] = gang.Member(ref, action.rank, revision, time.monotonic())
