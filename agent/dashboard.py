@@ -119,6 +119,7 @@ class Dashboard:
             row["telemetry"] = t["latest"] if t else None
             row["nvml"] = t["nvml"] if t else None
             row["task_usage"] = t["tasks"] if t else []
+            row["caches"] = t["caches"] if t else []
         return web.json_response({"node": a.cfg.name, "nodes": rows})
 
     async def _telemetry(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
@@ -130,7 +131,9 @@ class Dashboard:
         }
         out = await fetch_telemetry(peers, 0, TELEMETRY_WAIT_S, a.gossip.channel)
         if a.cfg.name in names:
-            out[a.cfg.name] = message_json(a.telemetry.message(a.cfg.name, 0, a.metrics_address))
+            out[a.cfg.name] = message_json(
+                a.telemetry.message(a.cfg.name, 0, a.metrics_address, a.gossip.caches)
+            )
         return out
 
     async def logs(self, request: web.Request) -> web.Response:

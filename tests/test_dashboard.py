@@ -12,8 +12,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from hypermesh.chunkfs.store import S3Store
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
@@ -23,6 +25,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import Mesh
+from tests.test_data_tasks import dataset
 from tests.test_telemetry import SPIN
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"
@@ -187,3 +190,45 @@ def test_dashboard_nodes_show_telemetry_of_a_busy_task(mesh: Mesh, browser: WebD
     assert took < 3, f"/api/nodes took {took:.1f} s with a stopped node"
     assert rows["node2"]["telemetry"] is None and rows["node2"]["task_usage"] == []
     assert rows["node1"]["telemetry"]["memory_total_bytes"] > 0
+
+
+def test_dashboard_cache_map_after_a_data_read(
+    mesh: Mesh, browser: WebDriver, store: S3Store, store_url: str, tmp_path: Path
+) -> None:
+    dataset(store, tmp_path)
+    extra = ("--store", store_url, "--cache-size", "256MiB")
+    node = mesh.agent("node1", extra=extra)
+    mesh.agent("node2", extra=extra)
+    recipe = mesh.write_recipe(
+        'experiments:\n  read:\n    data: {toy: toy}\n'
+        '    command: [\'cat "$HM_DATA_TOY/shard-0/part.txt"\']\n'
+    )
+    wid = mesh.submit(recipe)
+    mesh.wait_state(wid, {"succeeded"}, timeout=90)
+    (task,) = mesh.hm_json("tasks", wid)
+    reader = task["node"]
+    part = len("hello from shard 0\n")
+    browser.get(f"http://{node.http_address}/")
+    wait = WebDriverWait(browser, 40, poll_frequency=0.2)
+    row = f'tr[data-cache-set="{reader}/toy"]'
+
+    def cached(d: WebDriver) -> bool:
+        """The reader's cache of toy holds part.txt's bytes, read cold from the store
+        (its blocks by source come with the cache's records, a moment apart)."""
+        found = d.find_elements(By.CSS_SELECTOR, row)
+        try:
+            held = bool(found) and int(found[0].get_attribute("data-bytes") or 0) == part
+        except StaleElementReferenceException:
+            return False
+        return held and "store 100%" in text_of(d, f"{row} .hits")
+
+    wait.until(cached)
+    wait.until(lambda d: "store 100%" in text_of(d, f'tr[data-cache="{reader}"] .hits'))
+    assert "19 B" in text_of(browser, f'tr[data-cache="{reader}"]')
+    other = "node2" if reader == "node1" else "node1"
+    assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-cache-set^="{other}/"]')
+    # The same figures in top --json, from the reader's GetTelemetry.
+    (top,) = mesh.hm_json("top", "--node", reader)
+    (usage,) = top["telemetry"]["caches"]
+    assert usage["dataset"] == "toy" and usage["cached_bytes"] == part
+    assert usage["store_blocks"] >= 1 and usage["cache_blocks"] == usage["peer_blocks"] == 0

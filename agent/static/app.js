@@ -217,13 +217,37 @@ function renderNodes(data) {
       h("td", {}, u.cpu_percent.toFixed(1)), h("td", {}, fmtBytes(u.rss_bytes)),
       h("td", {}, fmtBytes(u.gpu_memory_bytes)))) :
     [h("tr", {}, h("td", { class: "muted", colspan: 7 }, "no running tasks"))]));
-  const most = Math.max(1, ...data.nodes.map((n) => n.cached_bytes || 0));
-  document.querySelector("#cache-map tbody").replaceChildren(...data.nodes.map((n) =>
+  renderCacheMap(data.nodes);
+}
+
+// Shares of blocks read by source, as whole percentages ("-" before any read).
+function hitText(rates) {
+  if (!rates) return "-";
+  return ["cache", "peer", "store"].map((s) => `${s} ${Math.round(100 * (rates[s] || 0))}%`).join(" · ");
+}
+
+function blockRates(c) {
+  const total = c.cache_blocks + c.peer_blocks + c.store_blocks;
+  return total ? { cache: c.cache_blocks / total, peer: c.peer_blocks / total, store: c.store_blocks / total } : null;
+}
+
+// The chunk-cache map: per node its bytes cached and hit rates by source, and under
+// it each data set it caches (from the node's telemetry: absent if it did not answer).
+function renderCacheMap(nodes) {
+  const most = Math.max(1, ...nodes.map((n) => n.cached_bytes || 0),
+                        ...nodes.flatMap((n) => (n.caches || []).map((c) => c.cached_bytes)));
+  const bar = (bytes) => h("div", { class: "bar cache" },
+    h("i", { style: `left:0;width:${(100 * (bytes || 0)) / most}%` }));
+  document.querySelector("#cache-map tbody").replaceChildren(...nodes.flatMap((n) => [
     h("tr", { "data-cache": n.name },
-      h("td", { style: "width:160px" }, n.name),
-      h("td", {}, h("div", { class: "bar cache" },
-        h("i", { style: `left:0;width:${(100 * (n.cached_bytes || 0)) / most}%` }))),
-      h("td", { style: "width:100px" }, fmtBytes(n.cached_bytes)))));
+      h("td", { style: "width:160px" }, h("b", {}, n.name)), h("td", {}, bar(n.cached_bytes)),
+      h("td", { style: "width:100px" }, fmtBytes(n.cached_bytes)),
+      h("td", { class: "hits" }, hitText(n.hit_rates))),
+    ...(n.caches || []).map((c) =>
+      h("tr", { "data-cache-set": `${n.name}/${c.dataset}`, "data-bytes": c.cached_bytes },
+        h("td", { class: "muted", style: "padding-left:18px" }, c.dataset), h("td", {}, bar(c.cached_bytes)),
+        h("td", {}, fmtBytes(c.cached_bytes)), h("td", { class: "hits muted" }, hitText(blockRates(c))))),
+  ]));
 }
 
 // ------------------------------------------------------------------ loop
