@@ -432,6 +432,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             if wid not in view.workflows:
                 continue
             summary = view.workflow_summary(wid)
+            if summary["state"] in TERMINAL:
+                # The mirrors watch separate prefixes, so the final state can arrive
+                # before the last results; both were written before it, so a fresh
+                # read now shows the end as it is.
+                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
             elif summary != last:
