@@ -25,7 +25,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import Mesh
-from tests.test_data_tasks import dataset
+from tests.test_data_tasks import _dataset
 from tests.test_telemetry import SPIN
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"
@@ -195,7 +195,7 @@ def test_dashboard_nodes_show_telemetry_of_a_busy_task(mesh: Mesh, browser: WebD
 def test_dashboard_cache_map_after_a_data_read(
     mesh: Mesh, browser: WebDriver, store: S3Store, store_url: str, tmp_path: Path
 ) -> None:
-    dataset(store, tmp_path)
+    _dataset(store, tmp_path)
     extra = ("--store", store_url, "--cache-size", "256MiB")
     node = mesh.agent("node1", extra=extra)
     mesh.agent("node2", extra=extra)

@@ -18,7 +18,7 @@ from hypermesh.localmesh import unmount_under, wait_for
 from tests.conftest import Mesh, process_gone, task_pid
 
 
-def dataset(store: S3Store, tmp_path: Path) -> None:
+def _dataset(store: S3Store, tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "shard-0").mkdir(parents=True)
     (src / "shard-0" / "part.txt").write_text("hello from shard 0\n")
@@ -29,7 +29,7 @@ def dataset(store: S3Store, tmp_path: Path) -> None:
 def test_a_task_reads_its_data_and_resumes_from_its_checkpoint_elsewhere(
     mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path
 ) -> None:
-    dataset(store, tmp_path)
+    _dataset(store, tmp_path)
     extra = ("--store", store_url, "--cache-size", "256MiB")
     first = mesh.agent("node1", extra=extra)
     recipe = mesh.write_recipe(
@@ -104,7 +104,7 @@ def test_an_agent_without_a_store_says_so(mesh: Mesh) -> None:
 def test_a_mount_started_by_a_program_ends_when_that_program_dies(
     store: S3Store, store_url: str, tmp_path: Path
 ) -> None:
-    dataset(store, tmp_path)
+    _dataset(store, tmp_path)
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     starter = (
