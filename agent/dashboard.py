@@ -12,7 +12,9 @@ the server does no work of its own when nobody looks.
 - ``GET /api/workflows/WID``: its status, its DAG (experiments with ``after`` and
   live changes) and ``tasks --json``.
 - ``GET /api/nodes``: ``nodes --all --json`` as this agent sees the mesh, plus each
-  node's dashboard address.
+  node's dashboard address and its latest telemetry with per-task usage (asked of
+  every node at once, each for at most ``TELEMETRY_WAIT_S``; one that does not
+  answer shows none).
 - ``GET /api/logs/TASK_ID?attempt=N&offset=K``: the attempt's log from byte K on
   (at most ``LOG_PAGE`` bytes), and whether the attempt still runs.
 """
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from hypermesh.agent.attempt_logs import stream_log
+from hypermesh.agent.telemetry_client import fetch_telemetry, message_json
 
 from hypermesh.errors import HypermeshError, NotFound
 from hypermesh.keyspace import TaskRef
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
 
 LOG_PAGE = 1 << 20  # most bytes of a log one request returns
+TELEMETRY_WAIT_S = 1.0  # how long /api/nodes waits for a node's telemetry (page polls at 1 s)
 STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript")}
 
 
@@ -104,12 +108,33 @@ class Dashboard:
         )
 
     async def nodes(self, request: web.Request) -> web.Response:
-        view = self.agent.view
-        rows = node_rows(view, gossip_table(self.agent.gossip.members()), self.agent.cfg.name, True)
+        a = self.agent
+        view = a.view
+        rows = node_rows(view, gossip_table(a.gossip.members()), a.cfg.name, True)
+        telemetry = await self._telemetry([r["name"] for r in rows if r["address"]])
         for row in rows:
             node = view.nodes.get(row["name"])
             row["http"] = node.http_address if node else None
-        return web.json_response({"node": self.agent.cfg.name, "nodes": rows})
+            t = telemetry.get(row["name"])
+            row["telemetry"] = t["latest"] if t else None
+            row["nvml"] = t["nvml"] if t else None
+            row["task_usage"] = t["tasks"] if t else []
+            row["caches"] = t["caches"] if t else []
+        return web.json_response({"node": a.cfg.name, "nodes": rows})
+
+    async def _telemetry(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Each live node's telemetry: this node's from memory, the others' over gRPC
+        on the agent's gossip channels, all at once, each within ``TELEMETRY_WAIT_S``."""
+        a = self.agent
+        peers = {
+            n: a.view.nodes[n].address for n in names if n != a.cfg.name and n in a.view.nodes
+        }
+        out = await fetch_telemetry(peers, 0, TELEMETRY_WAIT_S, a.gossip.channel)
+        if a.cfg.name in names:
+            out[a.cfg.name] = message_json(
+                a.telemetry.message(a.cfg.name, 0, a.metrics_address, a.gossip.caches)
+            )
+        return out
 
     async def logs(self, request: web.Request) -> web.Response:
         try:

@@ -26,12 +26,13 @@ import grpc
 from hypermesh.agent.gossip_config import GossipConfig
 from hypermesh.agent.gossip_link import PeerLink
 from hypermesh.agent.swim import Message, Outgoing, Swim
-from hypermesh.chunkfs.holdings import read_reads
+from hypermesh.chunkfs.holdings import SOURCES, merge
 
 from hypermesh._proto import agent_pb2
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.mounts import CacheScan
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Gossip:
         self._sends: set[asyncio.Task[None]] = set()
         self._cached_bytes = 0
         self._reads: dict[str, int] = {}  # blocks this node's mounts read, by source
+        self.caches: list[CacheScan] = []  # each chunk cache as of the last scan
         self._holdings_at = -math.inf
         self._holdings: asyncio.Task[None] | None = None
 
@@ -196,8 +198,9 @@ class Gossip:
     def _refresh_holdings(self, now: float) -> None:
         """Every ``scan_period_s`` (``ShareConfig``), look at what this node's chunk
         caches hold (in a thread: it reads a small record per cached chunk): the bytes
-        cached and the chunk summary gossip advertises. Nothing to do, and no thread,
-        on a node that never mounted a data set."""
+        cached and the chunk summary gossip advertises, and each cache on its own
+        (``caches``: bytes and reads by source per data set, for ``GetTelemetry``).
+        Nothing to do, and no thread, on a node that never mounted a data set."""
         period = self.agent.share.cfg.scan_period_s
         if now - self._holdings_at < period or self._holdings is not None:
             return
@@ -208,9 +211,11 @@ class Gossip:
 
         async def scan() -> None:
             try:
-                held = await asyncio.to_thread(mounts.holdings)
+                caches = await asyncio.to_thread(mounts.scan_caches)
+                held = merge(c.held for c in caches)
                 self._cached_bytes = sum(h.present_bytes for h in held.values())
-                self._reads = await asyncio.to_thread(read_reads, mounts.cache_roots())
+                self._reads = {s: sum(c.reads.get(s, 0) for c in caches) for s in SOURCES}
+                self.caches = caches
                 self.agent.share.scanned(held)
             except Exception:  # a bad cache directory must not stop gossip
                 log.exception("counting the chunk caches failed")

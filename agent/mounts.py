@@ -21,9 +21,10 @@ import logging
 import os
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
-from hypermesh.chunkfs.holdings import Holding, scan
+from hypermesh.chunkfs.holdings import Holding, read_reads, scan, scan_root
 from hypermesh.chunkfs.mount import MountProcess
 
 from hypermesh.errors import HypermeshError, UsageError
@@ -31,6 +32,21 @@ from hypermesh.errors import HypermeshError, UsageError
 log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._@-]")
+
+
+@dataclass(frozen=True)
+class CacheScan:
+    """One chunk cache of this node as its records said at one scan: the data set it
+    caches (the spec its mount was made for), what it holds, and the blocks its
+    mount's reads were served, by source (``cache``, ``peer``, ``store``)."""
+
+    dataset: str
+    held: dict[str, Holding]
+    reads: dict[str, int]
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(h.present_bytes for h in self.held.values())
 
 
 class Mounts:
@@ -102,6 +118,14 @@ class Mounts:
             return [p / "chunks" for p in (self.root / "cache").iterdir() if p.is_dir()]
         except OSError:
             return []
+
+    def scan_caches(self) -> list[CacheScan]:
+        """Each chunk cache of this node on its own, by data set (blocking: it reads
+        one small file per cached chunk). A cache's folder is named for its spec."""
+        return [
+            CacheScan(root.parent.name, scan_root(root), read_reads([root]))
+            for root in sorted(self.cache_roots())
+        ]
 
     def holdings(self) -> dict[str, Holding]:
         """What every chunk cache of this node holds, as their records say (blocking:

@@ -129,7 +129,9 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         self, request: agent_pb2.GetTelemetryRequest, context: object
     ) -> agent_pb2.Telemetry:
         a = self.agent
-        return a.telemetry.message(a.cfg.name, max(0, request.history), a.metrics_address)
+        return a.telemetry.message(
+            a.cfg.name, max(0, request.history), a.metrics_address, a.gossip.caches
+        )
 
     async def ReadChunk(
         self, request: agent_pb2.ReadChunkRequest, context: grpc.aio.ServicerContext

@@ -13,9 +13,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 from hypermesh.agent.gpus import GpuSource, open_gpus
@@ -31,6 +32,9 @@ from hypermesh.agent.usage import (
 )
 
 from hypermesh._proto import agent_pb2
+
+if TYPE_CHECKING:
+    from hypermesh.agent.mounts import CacheScan
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +280,11 @@ class Telemetry:
     def close(self) -> None:
         self.sampler.close()
 
-    def message(self, node: str, history: int, metrics_address: str) -> agent_pb2.Telemetry:
-        """The ``GetTelemetry`` reply: the latest sample, ``history`` earlier ones."""
+    def message(
+        self, node: str, history: int, metrics_address: str, caches: Iterable[CacheScan] = ()
+    ) -> agent_pb2.Telemetry:
+        """The ``GetTelemetry`` reply: the latest sample, ``history`` earlier ones, and
+        the node's chunk caches as last scanned."""
         latest = self.history.latest()
         earlier = self.history.last(history + 1)[:-1] if latest is not None else []
         return agent_pb2.Telemetry(
@@ -298,6 +305,16 @@ class Telemetry:
                 for t in self.tasks
             ],
             metrics_address=metrics_address,
+            caches=[
+                agent_pb2.CacheUsage(
+                    dataset=c.dataset,
+                    cached_bytes=c.cached_bytes,
+                    cache_blocks=c.reads.get("cache", 0),
+                    peer_blocks=c.reads.get("peer", 0),
+                    store_blocks=c.reads.get("store", 0),
+                )
+                for c in caches
+            ],
         )
 
 

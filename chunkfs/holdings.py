@@ -69,23 +69,37 @@ def read_holding(cache_root: Path, chunk_id: str) -> Holding | None:
 
 def scan(cache_roots: Iterable[Path]) -> dict[str, Holding]:
     """Every chunk with at least one written block in any of these caches."""
+    return merge(scan_root(root) for root in cache_roots)
+
+
+def scan_root(root: Path) -> dict[str, Holding]:
+    """Every chunk with at least one written block in the cache at ``root``."""
     out: dict[str, Holding] = {}
-    for root in cache_roots:
+    try:
+        shards = list(os.scandir(root / "v1"))
+    except OSError:
+        return out
+    for folder in shards:
         try:
-            shards = list(os.scandir(root / "v1"))
+            names = [e.name for e in os.scandir(folder.path) if e.name.endswith(".have")]
         except OSError:
             continue
-        for folder in shards:
-            try:
-                names = [e.name for e in os.scandir(folder.path) if e.name.endswith(".have")]
-            except OSError:
-                continue
-            for name in names:
-                holding = read_holding(root, name[: -len(".have")])
-                if holding is not None and holding.blocks:
-                    old = out.get(holding.chunk_id)
-                    if old is None or len(holding.blocks) > len(old.blocks):
-                        out[holding.chunk_id] = holding
+        for name in names:
+            holding = read_holding(root, name[: -len(".have")])
+            if holding is not None and holding.blocks:
+                out[holding.chunk_id] = holding
+    return out
+
+
+def merge(parts: Iterable[dict[str, Holding]]) -> dict[str, Holding]:
+    """Several caches' holdings as one: a chunk held by more than one counts once,
+    as the record with the most written blocks."""
+    out: dict[str, Holding] = {}
+    for part in parts:
+        for chunk_id, holding in part.items():
+            old = out.get(chunk_id)
+            if old is None or len(holding.blocks) > len(old.blocks):
+                out[chunk_id] = holding
     return out
 
 

@@ -362,6 +362,12 @@ def agent_start(
 )
 @click.option("--seed", type=int, default=None, help="Seed for parameter sampling.")
 @click.option("--wait", is_flag=True, help="Show progress; exit 0 if all tasks succeed, else 1.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print {"workflow", "name", "seed", "experiments", "state"} instead of the id.',
+)
 @mesh_options
 @run_async
 async def submit(
@@ -371,6 +377,7 @@ async def submit(
     overrides: tuple[str, ...],
     seed: int | None,
     wait: bool,
+    as_json: bool,
 ) -> None:
     """Submit a recipe; print the workflow id as the last word on stdout."""
     from hypermesh.recipe import load_recipe
@@ -400,11 +407,23 @@ async def submit(
         await submit_workflow(etcd, mesh.ks, wf)
         _err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
         if not wait:
-            click.echo(wf.id)
+            _submitted(wf, "pending", as_json)
             return
         state = await _follow(etcd, mesh.ks, wf.id)
-    click.echo(wf.id)
+    _submitted(wf, state, as_json)
     sys.exit(0 if state == "succeeded" else 1)
+
+
+def _submitted(wf: WorkflowRecord, state: str, as_json: bool) -> None:
+    """What ``submit`` prints on stdout: the workflow id, or with ``--json`` an object."""
+    if not as_json:
+        click.echo(wf.id)
+        return
+    experiments = [e.name for e in wf.recipe.experiments]
+    _print_json(
+        {"workflow": wf.id, "name": wf.name, "seed": wf.seed, "experiments": experiments,
+         "state": state}
+    )
 
 
 async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> str:
@@ -432,6 +451,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             if wid not in view.workflows:
                 continue
             summary = view.workflow_summary(wid)
+            if summary["state"] in TERMINAL:
+                # The mirrors watch separate prefixes, so the final state can arrive
+                # before the last results; both were written before it, so a fresh
+                # read now shows the end as it is.
+                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
             elif summary != last:

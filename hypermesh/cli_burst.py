@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from hypermesh.cli import Mesh, _print_json, main, mesh_options, run_async
-from hypermesh.errors import NotFound, UsageError
+from hypermesh.errors import HypermeshError, NotFound, UsageError
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace
 from hypermesh.model import MeshView, dumps
@@ -60,11 +60,13 @@ def _options(items: tuple[str, ...]) -> dict[str, str]:
 @click.option("--gpu-type", default="", help="GPU type of each provisioned node.")
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE",
               help="Provisioner setting (repeatable), e.g. region=eu-west-1.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the declaration written, with whether it replaced one.")
 @mesh_options
 @run_async
 async def pool_set(mesh: Mesh, name: str, kind: str, price: float, spot_price: float | None,
                    spot: bool, min_nodes: int, max_nodes: int, idle_timeout: str, slots: int,
-                   gpus: int, gpu_type: str, options: tuple[str, ...]) -> None:
+                   gpus: int, gpu_type: str, options: tuple[str, ...], as_json: bool) -> None:
     """Declare pool NAME (replacing its previous declaration)."""
     try:
         idle = parse_duration(idle_timeout)
@@ -80,21 +82,37 @@ async def pool_set(mesh: Mesh, name: str, kind: str, price: float, spot_price: f
     ):
         raise UsageError("an ec2 pool needs --option launch_template=ID or --option image_id=AMI")
     async with mesh.connect() as etcd:
+        replaced = await etcd.get(mesh.ks.pool(name)) is not None
         await etcd.put(mesh.ks.pool(name), dumps(declared.to_json()))
-    click.echo(f"hypermesh: pool {name} set ({kind})", err=True)
+    if as_json:
+        _print_json(declared.to_json() | {"replaced": replaced})
+    else:
+        click.echo(f"hypermesh: pool {name} set ({kind})", err=True)
 
 
 @pool.command("rm")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print {"name", "declaration"}: the declaration removed.')
 @mesh_options
 @run_async
-async def pool_rm(mesh: Mesh, name: str) -> None:
+async def pool_rm(mesh: Mesh, name: str, as_json: bool) -> None:
     """Remove pool NAME's declaration (its running nodes are not stopped)."""
     async with mesh.connect() as etcd:
-        if await etcd.get(mesh.ks.pool(name)) is None:
+        found = await etcd.get(mesh.ks.pool(name))
+        if found is None:
             raise NotFound(f"no pool {name!r} in namespace {mesh.ks.namespace!r}")
-        await etcd.txn([], [etcd.op_delete(mesh.ks.pool(name))])
-    click.echo(f"hypermesh: pool {name} removed", err=True)
+        # Remove what was read: a declaration replaced meanwhile stays (and says so).
+        done = await etcd.txn(
+            [etcd.mod_revision_is(mesh.ks.pool(name), found[1])],
+            [etcd.op_delete(mesh.ks.pool(name))],
+        )
+        if not done.succeeded:
+            raise HypermeshError(f"pool {name!r} changed while being removed; nothing removed")
+    if as_json:
+        _print_json({"name": name, "declaration": json.loads(found[0])})
+    else:
+        click.echo(f"hypermesh: pool {name} removed", err=True)
 
 
 async def _load(etcd: Etcd, ks: Keyspace, kinds: tuple[str, ...]) -> MeshView:

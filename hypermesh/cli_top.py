@@ -2,68 +2,23 @@
 
 The figures come from each agent's ``GetTelemetry`` RPC (the agent samples every
 ``--telemetry-period`` seconds); the list of nodes from etcd. A node that does not
-answer within the timeout is shown with ``telemetry: null``. ``fetch_telemetry`` is
-also what ``hypermesh nodes --json`` uses for its ``telemetry`` field.
+answer within the timeout is shown with ``telemetry: null``. ``fetch_telemetry``
+(``agent/telemetry_client.py``) is also what ``hypermesh nodes --json`` uses for its
+``telemetry`` field, and the dashboard for its nodes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import click
-import grpc
-from google.protobuf.message import Message
 
+from hypermesh.agent.telemetry_client import fetch_telemetry
 from hypermesh.cli import Mesh, mesh_options, run_async
 from hypermesh.cli_data import _human as _size
 from hypermesh.errors import NotFound
 from hypermesh.model import MeshView, NodeRecord
-
-RPC_TIMEOUT_S = 3.0
-
-
-def message_json(msg: Message) -> dict[str, Any]:
-    """A protobuf message as a dict keyed by its field names: every field present
-    (scalars at their defaults too), a sub-message unset is None."""
-    out: dict[str, Any] = {}
-    for f in msg.DESCRIPTOR.fields:
-        value = getattr(msg, f.name)
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            out[f.name] = dict(value)
-        elif f.message_type is not None and f.is_repeated:
-            out[f.name] = [message_json(v) for v in value]
-        elif f.message_type is not None:
-            out[f.name] = message_json(value) if msg.HasField(f.name) else None
-        elif f.is_repeated:
-            out[f.name] = list(value)
-        else:
-            out[f.name] = value
-    return out
-
-
-async def _one(address: str, history: int) -> dict[str, Any] | None:
-    from hypermesh._proto import agent_pb2, agent_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        try:
-            reply = await agent_pb2_grpc.AgentStub(channel).GetTelemetry(
-                agent_pb2.GetTelemetryRequest(history=history), timeout=RPC_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError:
-            return None
-    return message_json(reply)
-
-
-async def fetch_telemetry(
-    addresses: dict[str, str], history: int = 0
-) -> dict[str, dict[str, Any] | None]:
-    """``GetTelemetry`` of every node (name -> address) at once; None where a node
-    does not answer."""
-    names = sorted(addresses)
-    replies = await asyncio.gather(*(_one(addresses[n], history) for n in names))
-    return dict(zip(names, replies, strict=True))
 
 
 async def live_nodes(mesh: Mesh) -> dict[str, NodeRecord]:

@@ -17,9 +17,22 @@ for pkg in "${APT_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ! "$PYTHON" -m venv --help >/dev/null 2>&1; then missing+=(python3-venv); fi
+# kubectl for the Kubernetes manifests' test (`kubectl kustomize`, offline): the
+# `kubectl` package where the machine's apt sources have it, else Debian's
+# kubernetes-client (an older kubectl; its kustomize renders these manifests too).
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+kubectl_package() {
+  for pkg in kubectl kubernetes-client; do
+    if apt-cache show "$pkg" >/dev/null 2>&1; then echo "$pkg"; return; fi
+  done
+}
+if ! command -v kubectl >/dev/null 2>&1; then
+  pkg=$(kubectl_package)
+  if [ -z "$pkg" ]; then $SUDO apt-get update -qq; pkg=$(kubectl_package); fi
+  if [ -n "$pkg" ]; then missing+=("$pkg"); fi
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${missing[*]}" >&2
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
@@ -53,6 +66,8 @@ fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.localmesh as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.s3server as s; s.weed_binary()
 import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
-import torch.distributed as d; assert d.is_gloo_available()" \
+import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
+command -v kubectl >/dev/null 2>&1 \
+  || { echo "setup: no kubectl (apt: kubectl or kubernetes-client) for tests/test_k8s.py" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

@@ -91,3 +91,43 @@ def test_agent_without_store_keeps_logs_on_its_disk(mesh: Mesh) -> None:
     )
     assert result.returncode == 1 and "is gone" in result.stderr, result.stderr
     assert os.path.exists(mesh.agents["node1"].work_dir / "attempts" / f"{wid}.say.0")
+
+
+def test_a_follow_goes_on_from_the_store_when_the_node_dies(mesh: Mesh, store_url: str) -> None:
+    node = mesh.agent("node1", extra=("--store", store_url))
+    recipe = mesh.write_recipe(
+        f'experiments:\n  live: {{command: ["echo line-one", "echo line-two", "{GATED}"]}}\n'
+    )
+    wid = mesh.submit(recipe)
+    task_id = f"{wid}.live.0"
+    wait_for(lambda: mesh.hm_json("tasks", wid)[0]["state"] == "running", 30, "the task to run")
+    env = dict(mesh.env, HYPERMESH_STORE=store_url)
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "hypermesh", "logs", task_id, "--follow"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert follow.stdout is not None
+        live = ""
+        while "line-two\n" not in live.splitlines(keepends=True):  # live, from the node
+            line = follow.stdout.readline()
+            assert line, f"the follow ended early: {live!r}"
+            live += line
+        wait_for(lambda: b"line-two" in stored(store_url, mesh.namespace, task_id),
+                 30, "the running attempt's log in the store", interval=0.2)
+        assert follow.poll() is None  # still following: the attempt runs
+        node.kill()  # SIGKILL the agent alone: its stream ends without an end
+        rest = follow.stdout.read()  # to its end: the follow exits by itself (pytest-timeout)
+        follow.wait(30)
+        assert follow.stderr is not None
+        err = follow.stderr.read()
+    finally:
+        (mesh.root / "gate").touch()  # ends the task the killed agent left running
+        follow.kill()
+        follow.wait()
+    assert follow.returncode == 0, err
+    assert "note: node node1" in err and "showing the copy in the store" in err
+    # Everything exactly once: what the node had sent, then what the copy has beyond it.
+    copy = stored(store_url, mesh.namespace, task_id).decode()
+    assert live + rest == copy
+    assert copy.count("\nline-one\n") == 1 and copy.count("\nline-two\n") == 1

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from hypermesh.chunkfs.store import S3Store
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
@@ -21,6 +25,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import Mesh
+from tests.test_data_tasks import _dataset
+from tests.test_telemetry import SPIN
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"
 
@@ -137,3 +143,92 @@ def test_a_taken_dashboard_port_fails_the_agent_start(mesh: Mesh) -> None:
             mesh.agent("node1", extra=("--http-listen", f"127.0.0.1:{port}"))
     bad = mesh.hm("agent", "start", "--http-listen", "nowhere")
     assert bad.returncode == 2 and "--http-listen 'nowhere': expected HOST:PORT" in bad.stderr
+
+
+def test_dashboard_nodes_show_telemetry_of_a_busy_task(mesh: Mesh, browser: WebDriver) -> None:
+    node = mesh.agent("node1", extra=("--telemetry-period", "0.5"))
+    mesh.agent("node2", extra=("--telemetry-period", "0.5"))
+    wid = mesh.submit(mesh.write_recipe(SPIN))
+    task = f"{wid}.spin.0"
+    try:
+        browser.get(f"http://{node.http_address}/")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+
+        def busy(d: WebDriver) -> str:
+            """The busy task's node, once its row shows the task's CPU (> 30 % of a core)
+            and the node's own CPU figure."""
+            usage = d.find_elements(By.CSS_SELECTOR, f'tr[data-usage="{task}"]')
+            try:
+                if not usage or float(usage[0].get_attribute("data-cpu") or 0) <= 30:
+                    return ""
+                where = usage[0].find_elements(By.CSS_SELECTOR, "td")[2].text
+                cpu = d.find_elements(By.CSS_SELECTOR, f'tr[data-node="{where}"] .cpu')
+                return where if cpu and float(cpu[0].get_attribute("data-cpu") or 0) > 0 else ""
+            except StaleElementReferenceException:
+                return ""
+
+        where = wait.until(busy)
+        assert where in ("node1", "node2")
+        assert "CPU " in text_of(browser, f'tr[data-node="{where}"] .cpu')
+        assert "mem " in text_of(browser, f'tr[data-node="{where}"] td.telemetry')
+        # Both nodes answer: the page's own agent from memory, the other over gRPC.
+        for name in ("node1", "node2"):
+            wait.until(shown(f'tr[data-node="{name}"] td.telemetry .cpu'))
+    finally:
+        mesh.hm("cancel", wid)
+    # A node that does not answer (stopped) shows no telemetry and holds nothing up.
+    stalled = mesh.agents["node2"].proc
+    assert stalled is not None
+    stalled.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with urllib.request.urlopen(f"http://{node.http_address}/api/nodes", timeout=10) as r:
+            rows = {row["name"]: row for row in json.load(r)["nodes"]}
+        took = time.monotonic() - started
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    assert took < 3, f"/api/nodes took {took:.1f} s with a stopped node"
+    assert rows["node2"]["telemetry"] is None and rows["node2"]["task_usage"] == []
+    assert rows["node1"]["telemetry"]["memory_total_bytes"] > 0
+
+
+def test_dashboard_cache_map_after_a_data_read(
+    mesh: Mesh, browser: WebDriver, store: S3Store, store_url: str, tmp_path: Path
+) -> None:
+    _dataset(store, tmp_path)
+    extra = ("--store", store_url, "--cache-size", "256MiB")
+    node = mesh.agent("node1", extra=extra)
+    mesh.agent("node2", extra=extra)
+    recipe = mesh.write_recipe(
+        'experiments:\n  read:\n    data: {toy: toy}\n'
+        '    command: [\'cat "$HM_DATA_TOY/shard-0/part.txt"\']\n'
+    )
+    wid = mesh.submit(recipe)
+    mesh.wait_state(wid, {"succeeded"}, timeout=90)
+    (task,) = mesh.hm_json("tasks", wid)
+    reader = task["node"]
+    part = len("hello from shard 0\n")
+    browser.get(f"http://{node.http_address}/")
+    wait = WebDriverWait(browser, 40, poll_frequency=0.2)
+    row = f'tr[data-cache-set="{reader}/toy"]'
+
+    def cached(d: WebDriver) -> bool:
+        """The reader's cache of toy holds part.txt's bytes, read cold from the store
+        (its blocks by source come with the cache's records, a moment apart)."""
+        found = d.find_elements(By.CSS_SELECTOR, row)
+        try:
+            held = bool(found) and int(found[0].get_attribute("data-bytes") or 0) == part
+        except StaleElementReferenceException:
+            return False
+        return held and "store 100%" in text_of(d, f"{row} .hits")
+
+    wait.until(cached)
+    wait.until(lambda d: "store 100%" in text_of(d, f'tr[data-cache="{reader}"] .hits'))
+    assert "19 B" in text_of(browser, f'tr[data-cache="{reader}"]')
+    other = "node2" if reader == "node1" else "node1"
+    assert not browser.find_elements(By.CSS_SELECTOR, f'tr[data-cache-set^="{other}/"]')
+    # The same figures in top --json, from the reader's GetTelemetry.
+    (top,) = mesh.hm_json("top", "--node", reader)
+    (usage,) = top["telemetry"]["caches"]
+    assert usage["dataset"] == "toy" and usage["cached_bytes"] == part
+    assert usage["store_blocks"] >= 1 and usage["cache_blocks"] == usage["peer_blocks"] == 0

@@ -1,17 +1,25 @@
-"""The Kubernetes manifests in scripts/k8s/: they parse, have the shape Kubernetes
-expects for the fields we rely on, and agree with the agent they start (its CLI
-flags, health service names, ports, environment variables).
+"""The Kubernetes manifests in scripts/k8s/: ``kubectl kustomize`` renders them, every
+object passes Kubernetes 1.32's JSON schema in strict mode (no unknown fields), and
+they agree with the agent they start (its CLI flags, health service names, ports,
+environment variables).
 
-No cluster and no schema tool are available offline, so this is a structural check,
-not a validation against the API server (the README says so).
+No API server is available, so ``kubectl apply --dry-run=client`` (which asks one
+for its resource types) cannot run; the schema check uses the schemas that the
+``kubernetes-validate`` package ships (generated from Kubernetes' OpenAPI), offline.
+What an API server adds beyond them (admission, defaults, cross-field rules) is not
+checked (the README says so).
 """
 
 from __future__ import annotations
 
+import copy
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from hypermesh.agent.health import LIVENESS_SERVICE
@@ -22,6 +30,7 @@ from hypermesh.config import AgentConfig
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "scripts" / "k8s"
 NAMESPACE = "hypermesh"
+KUBERNETES = "1.32.0"  # the schema version checked against (kubectl here is v1.32)
 
 
 def load() -> dict[tuple[str, str], dict[str, Any]]:
@@ -81,6 +90,54 @@ def test_kustomization_lists_every_manifest() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization["resources"]) == files
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    """What ``kubectl kustomize scripts/k8s`` (what ``kubectl apply -k`` applies) renders."""
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "the Kubernetes test needs kubectl (scripts/setup.sh installs it)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, f"kubectl kustomize failed:\n{out.stderr}"
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
+
+
+def test_kubectl_kustomize_renders_the_manifests_unchanged(
+    rendered: list[dict[str, Any]], docs: dict[tuple[str, str], dict[str, Any]]
+) -> None:
+    assert {(d["kind"], d["metadata"]["name"]): d for d in rendered} == docs
+
+
+def test_every_object_passes_the_kubernetes_schema_strictly(
+    rendered: list[dict[str, Any]],
+) -> None:
+    for doc in rendered:
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc.message} "
+                        f"at {'.'.join(map(str, exc.path))}")
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        (lambda c, p: c.update(imagePullPolice="Always"), "imagePullPolice"),  # a typo
+        (lambda c, p: p.update(hostNetwork="yes"), "'yes' is not of type 'boolean'"),
+        (lambda c, p: c["ports"][0].update(containerPort="7070"), "is not of type 'integer'"),
+        (lambda c, p: c.pop("name"), "'name' is a required property"),
+    ],
+)
+def test_the_schema_check_catches_mistakes(
+    rendered: list[dict[str, Any]], change: Any, complaint: str
+) -> None:
+    ds = copy.deepcopy(next(d for d in rendered if d["kind"] == "DaemonSet"))
+    pod = ds["spec"]["template"]["spec"]
+    change(pod["containers"][0], pod)
+    with pytest.raises(kubernetes_validate.ValidationError, match=re.escape(complaint)):
+        kubernetes_validate.validate(ds, KUBERNETES, strict=True)
 
 
 def test_daemonset_shape(docs: dict[tuple[str, str], dict[str, Any]]) -> None:

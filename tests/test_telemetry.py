@@ -159,16 +159,16 @@ def test_no_nvml_is_not_an_error(tmp_path: Path) -> None:
     sampler.close()
 
 
-def test_busy_task_shows_in_top_and_nodes(mesh: Mesh) -> None:
-    mesh.agent("node1", extra=("--telemetry-period", "0.5"))
-    recipe = mesh.write_recipe(
-        f"""
+SPIN = f"""
 experiments:
   spin:
     command: ['exec "{sys.executable}" -c "while True: pass"']
-"""
-    )
-    wid = mesh.submit(recipe)
+"""  # one task that keeps one core busy until it is cancelled
+
+
+def test_busy_task_shows_in_top_and_nodes(mesh: Mesh) -> None:
+    mesh.agent("node1", extra=("--telemetry-period", "0.5"))
+    wid = mesh.submit(mesh.write_recipe(SPIN))
     task_id = f"{wid}.spin.0"
 
     def busy() -> dict[str, Any] | None:

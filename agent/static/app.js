@@ -181,27 +181,73 @@ async function refreshLog() {
 }
 
 // ------------------------------------------------------------------ nodes
+const fmtRate = (n) => fmtBytes(Math.round(n || 0)) + "/s";
+const known = (n) => n !== null && n !== undefined && n >= 0;
+
+// A node's latest telemetry sample (null: it did not answer, or has not sampled yet).
+function telemetryCell(n) {
+  const s = n.telemetry;
+  if (!s) return h("td", { class: "muted" }, n.address ? "no sample" : "-");
+  const gpus = s.gpus.map((g) =>
+    h("span", { class: "gpu", "data-gpu": g.index },
+      `GPU${g.index} ${known(g.utilization_percent) ? g.utilization_percent.toFixed(0) + "%" : "?"} ` +
+      `${known(g.memory_used_bytes) ? fmtBytes(g.memory_used_bytes) : "?"}` +
+      (known(g.temperature_c) ? ` ${g.temperature_c.toFixed(0)}°C` : "")));
+  return h("td", { class: "telemetry" },
+    h("span", { class: "cpu", "data-cpu": s.cpu_percent.toFixed(1) }, `CPU ${s.cpu_percent.toFixed(0)}%`),
+    ` load ${s.load1.toFixed(2)} · mem ${fmtBytes(s.memory_used_bytes)}/${fmtBytes(s.memory_total_bytes)}` +
+    ` · disk ${fmtBytes(s.disk_used_bytes)}/${fmtBytes(s.disk_total_bytes)}` +
+    ` · net ↓${fmtRate(s.net_recv_bytes_per_s)} ↑${fmtRate(s.net_sent_bytes_per_s)} `,
+    gpus.length ? gpus : h("span", { class: "muted" }, n.nvml ? "" : "no NVML"));
+}
+
 function renderNodes(data) {
   document.getElementById("nodes-seen").textContent = `(gossip as seen by ${data.node})`;
-  const known = new Set(["free_slots", "free_gpus", "running", "cached_bytes", "chunks"]);
-  document.querySelector("#node-table tbody").replaceChildren(...data.nodes.map((n) => {
-    const load = n.load || {};
-    const telemetry = Object.entries(load).filter(([k, v]) => !known.has(k) && typeof v !== "object")
-      .map(([k, v]) => `${k}=${typeof v === "number" ? +v.toFixed(2) : v}`).join(" ");
-    return h("tr", { "data-node": n.name },
+  document.querySelector("#node-table tbody").replaceChildren(...data.nodes.map((n) =>
+    h("tr", { "data-node": n.name },
       h("td", {}, n.name), h("td", {}, badge(n.state)), h("td", {}, badge(n.gossip)),
       h("td", {}, n.incarnation ?? "-"), h("td", {}, n.pool || "-"), h("td", {}, n.slots ?? "-"),
       h("td", {}, n.running), h("td", {}, n.gpus ?? "-"), h("td", {}, n.leader ? "★" : ""),
-      h("td", { class: "muted" }, telemetry || "-"),
-      h("td", {}, n.http ? h("a", { href: `http://${n.http}/` }, n.http) : "-"));
-  }));
-  const most = Math.max(1, ...data.nodes.map((n) => n.cached_bytes || 0));
-  document.querySelector("#cache-map tbody").replaceChildren(...data.nodes.map((n) =>
+      telemetryCell(n),
+      h("td", {}, n.http ? h("a", { href: `http://${n.http}/` }, n.http) : "-"))));
+  const usage = data.nodes.flatMap((n) => (n.task_usage || []).map((u) => ({ ...u, node: n.name })));
+  document.querySelector("#usage-table tbody").replaceChildren(...(usage.length ? usage.map((u) =>
+    h("tr", { "data-usage": u.task_id, "data-cpu": u.cpu_percent.toFixed(1) },
+      h("td", {}, u.task_id), h("td", {}, u.attempt), h("td", {}, u.node), h("td", {}, u.processes),
+      h("td", {}, u.cpu_percent.toFixed(1)), h("td", {}, fmtBytes(u.rss_bytes)),
+      h("td", {}, fmtBytes(u.gpu_memory_bytes)))) :
+    [h("tr", {}, h("td", { class: "muted", colspan: 7 }, "no running tasks"))]));
+  renderCacheMap(data.nodes);
+}
+
+// Shares of blocks read by source, as whole percentages ("-" before any read).
+function hitText(rates) {
+  if (!rates) return "-";
+  return ["cache", "peer", "store"].map((s) => `${s} ${Math.round(100 * (rates[s] || 0))}%`).join(" · ");
+}
+
+function blockRates(c) {
+  const total = c.cache_blocks + c.peer_blocks + c.store_blocks;
+  return total ? { cache: c.cache_blocks / total, peer: c.peer_blocks / total, store: c.store_blocks / total } : null;
+}
+
+// The chunk-cache map: per node its bytes cached and hit rates by source, and under
+// it each data set it caches (from the node's telemetry: absent if it did not answer).
+function renderCacheMap(nodes) {
+  const most = Math.max(1, ...nodes.map((n) => n.cached_bytes || 0),
+                        ...nodes.flatMap((n) => (n.caches || []).map((c) => c.cached_bytes)));
+  const bar = (bytes) => h("div", { class: "bar cache" },
+    h("i", { style: `left:0;width:${(100 * (bytes || 0)) / most}%` }));
+  document.querySelector("#cache-map tbody").replaceChildren(...nodes.flatMap((n) => [
     h("tr", { "data-cache": n.name },
-      h("td", { style: "width:160px" }, n.name),
-      h("td", {}, h("div", { class: "bar cache" },
-        h("i", { style: `left:0;width:${(100 * (n.cached_bytes || 0)) / most}%` }))),
-      h("td", { style: "width:100px" }, fmtBytes(n.cached_bytes)))));
+      h("td", { style: "width:160px" }, h("b", {}, n.name)), h("td", {}, bar(n.cached_bytes)),
+      h("td", { style: "width:100px" }, fmtBytes(n.cached_bytes)),
+      h("td", { class: "hits" }, hitText(n.hit_rates))),
+    ...(n.caches || []).map((c) =>
+      h("tr", { "data-cache-set": `${n.name}/${c.dataset}`, "data-bytes": c.cached_bytes },
+        h("td", { class: "muted", style: "padding-left:18px" }, c.dataset), h("td", {}, bar(c.cached_bytes)),
+        h("td", {}, fmtBytes(c.cached_bytes)), h("td", { class: "hits muted" }, hitText(blockRates(c))))),
+  ]));
 }
 
 // ------------------------------------------------------------------ loop

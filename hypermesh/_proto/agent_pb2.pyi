@@ -199,7 +199,7 @@ class TaskUsage(_message.Message):
     def __init__(self, task_id: _Optional[str] = ..., attempt: _Optional[int] = ..., processes: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., gpu_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Telemetry(_message.Message):
-    __slots__ = ("node", "period_s", "nvml", "latest", "history", "tasks", "metrics_address")
+    __slots__ = ("node", "period_s", "nvml", "latest", "history", "tasks", "metrics_address", "caches")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PERIOD_S_FIELD_NUMBER: _ClassVar[int]
     NVML_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class Telemetry(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
     node: str
     period_s: float
     nvml: bool
@@ -214,7 +215,8 @@ class Telemetry(_message.Message):
     history: _containers.RepeatedCompositeFieldContainer[NodeSample]
     tasks: _containers.RepeatedCompositeFieldContainer[TaskUsage]
     metrics_address: str
-    def __init__(self, node: _Optional[str] = ..., period_s: _Optional[float] = ..., nvml: _Optional[bool] = ..., latest: _Optional[_Union[NodeSample, _Mapping]] = ..., history: _Optional[_Iterable[_Union[NodeSample, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    caches: _containers.RepeatedCompositeFieldContainer[CacheUsage]
+    def __init__(self, node: _Optional[str] = ..., period_s: _Optional[float] = ..., nvml: _Optional[bool] = ..., latest: _Optional[_Union[NodeSample, _Mapping]] = ..., history: _Optional[_Iterable[_Union[NodeSample, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., caches: _Optional[_Iterable[_Union[CacheUsage, _Mapping]]] = ...) -> None: ...
 
 class ReadChunkRequest(_message.Message):
     __slots__ = ("chunk", "offset", "length")
@@ -274,3 +276,17 @@ class LocateChunksReply(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[ChunkHolders]
     counters: _containers.ScalarMap[str, int]
     def __init__(self, chunks: _Optional[_Iterable[_Union[ChunkHolders, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class CacheUsage(_message.Message):
+    __slots__ = ("dataset", "cached_bytes", "cache_blocks", "peer_blocks", "store_blocks")
+    DATASET_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    dataset: str
+    cached_bytes: int
+    cache_blocks: int
+    peer_blocks: int
+    store_blocks: int
+    def __init__(self, dataset: _Optional[str] = ..., cached_bytes: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., store_blocks: _Optional[int] = ...) -> None: ...
