@@ -175,8 +175,9 @@ class BurstDuty:
                 await self._put_record(name, record | {"state": "running"})
 
     async def _launch(self, action: Launch, pool: Pool, now: float) -> None:
+        reason = f"{action.reason}; {action.market}" if action.market else action.reason
         await self._event("launch", pool.name, count=action.count, spot=action.spot,
-                          reason=action.reason)
+                          reason=reason)
         records = {}
         for _ in range(action.count):
             name = f"{pool.name}-{secrets.token_hex(3)}"

@@ -164,9 +164,9 @@ def test_no_release_while_the_pool_scales_up() -> None:
 
 def test_preempted_node_is_forgotten_and_replaced_at_once() -> None:
     # The work left behind has waited only 1 s, but a preemption does not wait.
+    # The duty records a preemption after the tick that saw it: history is empty.
     snap = Snapshot(POOLS, nodes=(static_node(), cloud_node("c2", running=1)),
-                    backlog=(backlog(1, wait=1),), preempted=(("c1", "cloud"),),
-                    history={"cloud": PoolHistory(preempted_s_ago=(0,))})
+                    backlog=(backlog(1, wait=1),), preempted=(("c1", "cloud"),))
     assert decide(snap, CFG) == [
         Forget("c1", "cloud", "preempted: node vanished without being released"),
         Launch("cloud", 1, True,
