@@ -4,7 +4,10 @@ the leader's policy scaling preferred pools first."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypermesh.agent import burst_view
@@ -21,7 +24,8 @@ from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.pool_preference import PoolPreference
 from hypermesh.agent.pool_wait import PoolWait
 
-from hypermesh.errors import RecipeError
+from hypermesh.config import AgentConfig
+from hypermesh.errors import RecipeError, UsageError
 from hypermesh.keyspace import TaskRef
 from hypermesh.model import NodeRecord
 from hypermesh.pools import Pool
@@ -212,3 +216,18 @@ def test_backlog_lists_preferred_pools_first() -> None:
     (item,), _ = burst_view.backlog(feed.view, in_use, {}, 10.0, 5.0)
     assert item.pools == ("gpu", "cloud", "onprem")
     assert item.preferred == ("gpu", "cloud")
+
+
+# ---------------------------------------------------------------------- the setting
+def test_pool_delay_setting_is_checked(tmp_path: Path) -> None:
+    assert AgentConfig.lan().pool_delay == 5.0 and AgentConfig.local().pool_delay == 2.0
+    with pytest.raises(UsageError, match=r"--pool-delay 601\.0 is out of range"):
+        AgentConfig.local(pool_delay=601.0)
+    out = subprocess.run(
+        [sys.executable, "-m", "hypermesh", "agent", "start", "--work-dir", str(tmp_path),
+         "--pool-delay", "-1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    assert "--pool-delay -1.0 is out of range: allowed 0..600" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing started, nothing written
