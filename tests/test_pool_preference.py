@@ -4,8 +4,6 @@ the leader's policy scaling preferred pools first."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from hypermesh.model import NodeRecord
 from hypermesh.pools import Pool
 from hypermesh.recipe import Recipe, parse_recipe
 from tests.test_claims import Feed
+from tests.test_placement import agent_start
 
 
 # ---------------------------------------------------------------------- the recipe field
@@ -223,11 +222,7 @@ def test_pool_delay_setting_is_checked(tmp_path: Path) -> None:
     assert AgentConfig.lan().pool_delay == 5.0 and AgentConfig.local().pool_delay == 2.0
     with pytest.raises(UsageError, match=r"--pool-delay 601\.0 is out of range"):
         AgentConfig.local(pool_delay=601.0)
-    out = subprocess.run(
-        [sys.executable, "-m", "hypermesh", "agent", "start", "--work-dir", str(tmp_path),
-         "--pool-delay", "-1"],
-        capture_output=True, text=True, timeout=60,
-    )
+    out = agent_start(tmp_path, "--pool-delay", "-1")
     assert out.returncode == 2
     assert "--pool-delay -1.0 is out of range: allowed 0..600" in out.stderr
     assert not list(tmp_path.iterdir())  # nothing started, nothing written
