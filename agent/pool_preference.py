@@ -48,27 +48,28 @@ class PoolPreference:
 
     me: NodeRecord
     peers: Mapping[str, NodeRecord]  # other live nodes that may take tasks
-    free: Mapping[str, int]  # free slots of each peer, as the view has them
+    free: Callable[[], Mapping[str, int]]  # free slots per peer; asked once, when needed
     now: float
     since: dict[TaskRef, float]
     delay_s: float = DEFAULT_DELAY_S
     fits: Callable[[Experiment, NodeRecord], bool] = lambda exp, node: True
     deferred: dict[TaskRef, str] = field(default_factory=dict)
     next_deadline: float | None = None
-    _room: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._room = {n: max(0, self.free.get(n, 0)) for n in self.peers if n != self.me.name}
+    _room: dict[str, int] | None = None
 
     def split(self, workflow: str, exp: Experiment, open_indices: set[int]) -> set[int]:
         """The open indices this node may claim now: all of them, less the ones it
         leaves to preferred peers with room (see the module docstring)."""
         if not exp.prefer_pools or self.me.pool in exp.prefer_pools:
             return open_indices
+        if self._room is None:
+            free = self.free()
+            self._room = {n: max(0, free.get(n, 0)) for n in self.peers if n != self.me.name}
+        room = self._room
         holders = [
             name for name, rec in sorted(self.peers.items())
             if name != self.me.name and rec.pool in exp.prefer_pools
-            and self._room.get(name, 0) > 0 and self.fits(exp, rec)
+            and room.get(name, 0) > 0 and self.fits(exp, rec)
         ]
         if not holders:
             return open_indices
@@ -81,8 +82,8 @@ class PoolPreference:
             holder = holders[0]
             left.add(index)
             self._leave(ref, holder, waited)
-            self._room[holder] -= 1
-            if self._room[holder] <= 0:
+            room[holder] -= 1
+            if room[holder] <= 0:
                 holders.pop(0)
         return open_indices - left if left else open_indices
 

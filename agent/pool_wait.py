@@ -43,17 +43,22 @@ class PoolWait:
 
     def round(self, view: MeshView, me: NodeRecord, now: float | None = None) -> PoolPreference:
         """This round's preference. Peers: the other registered, not draining nodes
-        that gossip has alive; their free slots: slots less the claims they hold."""
+        that gossip has alive; their free slots (counted only when an experiment
+        prefers pools): slots less the claims they hold."""
         now = time.monotonic() if now is None else now
         prune_since(self.since, lambda r: r.index in view.open.get((r.workflow, r.experiment), ()))
         self._told &= self.since.keys()
         peers = {n: rec for n, rec in view.nodes.items()
                  if n != me.name and rec.state == "alive" and self.alive(n)}
-        held = Counter(claim.node for claim in view.claims.values())
+
+        def free() -> dict[str, int]:
+            held = Counter(claim.node for claim in view.claims.values())
+            return {n: rec.slots - held[n] for n, rec in peers.items()}
+
         return PoolPreference(
             me=me,
             peers=peers,
-            free={n: rec.slots - held[n] for n, rec in peers.items()},
+            free=free,
             now=now,
             since=self.since,
             delay_s=self.delay_s,
