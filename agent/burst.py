@@ -117,13 +117,17 @@ class BurstDuty:
         )
         nodes, self._busy_at = burst_view.nodes(view, self._busy_at, now)
         await self._mark_registered()
+        preempted = tuple(v for v in burst_view.vanished(view) if v[1] in pools)
         snap = Snapshot(
             pools=pools,
             nodes=nodes,
             starting=burst_view.starting(view, now),
             backlog=backlog,
             history=self._history(now),
-            preempted=tuple(v for v in burst_view.vanished(view) if v[1] in pools),
+            preempted=preempted,
+            on_demand_lost=frozenset(
+                node for node, _ in preempted if not view.instances[node].get("spot")
+            ),
         )
         for action in decide(snap, self.cfg):
             if isinstance(action, Launch):
@@ -131,7 +135,8 @@ class BurstDuty:
             elif isinstance(action, Release):
                 await self._release(action, pools.get(action.pool))
             elif isinstance(action, Forget):
-                self._preempted.setdefault(action.pool, deque()).append(now)
+                if action.node not in snap.on_demand_lost:  # the spot preemption rate
+                    self._preempted.setdefault(action.pool, deque()).append(now)
                 await self._drop_record(action.node)
                 await self._event("forget", action.pool, node=action.node, reason=action.reason)
         await self._release_orphans()

@@ -166,6 +166,9 @@ class Snapshot:
     history: dict[str, PoolHistory] = field(default_factory=dict)
     preempted: tuple[tuple[str, str], ...] = ()
     """(node, pool) of owned nodes that vanished since the last tick."""
+    on_demand_lost: frozenset[str] = frozenset()
+    """Those of ``preempted`` that were on-demand: lost (crashed), replaced like the
+    others, but no part of the pool's spot preemption rate."""
 
 
 # ---------------------------------------------------------------------- actions
@@ -261,7 +264,8 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
     pools = snap.pools
     preempted_pools = {name for _, name in snap.preempted}
     for node, name in snap.preempted:
-        actions.append(Forget(node, name, "preempted: node vanished without being released"))
+        what = "lost: on-demand node" if node in snap.on_demand_lost else "preempted: node"
+        actions.append(Forget(node, name, f"{what} vanished without being released"))
 
     # Nodes of each provisioned pool, running and starting, against its max.
     count: dict[str, int] = {name: 0 for name in pools}
@@ -319,7 +323,8 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
         if more <= 0:
             continue
         history = snap.history.get(p, PoolHistory())
-        now_lost = sum(1 for _, name in snap.preempted if name == p)
+        now_lost = sum(1 for node, name in snap.preempted
+                       if name == p and node not in snap.on_demand_lost)
         if now_lost:  # the preemptions of this tick count at once
             history = PoolHistory((0.0,) * now_lost + history.preempted_s_ago,
                                   history.refused_s_ago)

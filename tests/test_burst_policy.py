@@ -125,6 +125,16 @@ def test_preemptions_seen_this_tick_count_towards_the_rate() -> None:
     assert launch.market.startswith("on-demand: preemption rate 1.00 (2 of 2")
 
 
+def test_lost_on_demand_nodes_are_replaced_but_not_counted_as_preempted() -> None:
+    snap = Snapshot(POOLS, nodes=(static_node(),), backlog=(backlog(3, wait=1),),
+                    preempted=(("c1", "cloud"),), on_demand_lost=frozenset({"c1"}))
+    forget, launch = decide(snap, CFG)
+    assert forget == Forget("c1", "cloud", "lost: on-demand node vanished without being released")
+    assert isinstance(launch, Launch) and launch.spot is True
+    assert launch.reason.startswith("replace preempted node")
+    assert launch.market.startswith("spot: preemption rate 0.00 (0 of 0")
+
+
 def test_config_rejects_out_of_range_values() -> None:
     with pytest.raises(UsageError, match="target_drain_s 0 is out of range"):
         BurstConfig(target_drain_s=0)
