@@ -77,7 +77,7 @@ class BurstDuty:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.tick_s)
-            if not self.agent.is_leader or self.agent.lease_is_lost:
+            if not self.acting():
                 self.leading = False
                 continue
             try:
@@ -88,6 +88,15 @@ class BurstDuty:
                 log.warning("%s: burst: %s", self.agent.cfg.name, exc)
             except Exception:  # a bug here must not take the agent down
                 log.exception("%s: burst duty failed", self.agent.cfg.name)
+
+    def acting(self) -> bool:
+        """Whether this agent makes burst decisions now: it leads, holds its lease and
+        is not draining. A draining leader is about to hand over: it does not count
+        itself as capacity, so it would start a node to replace itself, as a child
+        of a process that is exiting; the next leader decides instead (and replaces
+        it at once if work remains)."""
+        agent = self.agent
+        return agent.is_leader and not agent.lease_is_lost and agent.state == "alive"
 
     async def _take_over(self) -> None:
         kvs, _ = await self.agent.etcd.get_prefix(self.ks.kind_prefix("event"))
