@@ -58,3 +58,12 @@ def test_preferred_pool_runs_tasks_first_others_take_the_rest(mesh: Mesh) -> Non
         mesh.logs()
     finals = Counter(t["attempts"][-1]["node"] for t in mesh.hm_json("tasks", wid))
     assert finals == {"c1": 4}, mesh.logs()
+
+
+def test_submit_warns_when_no_preferred_pool_exists(mesh: Mesh) -> None:
+    recipe = mesh.write_recipe(PREFERRING.format(values="0", seconds=0))
+    result = mesh.hm("submit", str(recipe), check=True)
+    assert ("warning: experiment 'e': no preferred pool (onprem) is declared or has a live "
+            "node; the preference does nothing until one does") in result.stderr
+    mesh.hm("pool", "set", "onprem", check=True)
+    assert "warning" not in mesh.hm("submit", str(recipe), check=True).stderr
