@@ -77,7 +77,7 @@ class BurstDuty:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.tick_s)
-            if not self.agent.is_leader or self.agent.lease_is_lost:
+            if not self.acting():
                 self.leading = False
                 continue
             try:
@@ -88,6 +88,15 @@ class BurstDuty:
                 log.warning("%s: burst: %s", self.agent.cfg.name, exc)
             except Exception:  # a bug here must not take the agent down
                 log.exception("%s: burst duty failed", self.agent.cfg.name)
+
+    def acting(self) -> bool:
+        """Whether this agent makes burst decisions now: it leads, holds its lease and
+        is not draining. A draining leader is about to hand over: it does not count
+        itself as capacity, so it would start a node to replace itself, as a child
+        of a process that is exiting; the next leader decides instead (and replaces
+        it at once if work remains)."""
+        agent = self.agent
+        return agent.is_leader and not agent.lease_is_lost and agent.state == "alive"
 
     async def _take_over(self) -> None:
         kvs, _ = await self.agent.etcd.get_prefix(self.ks.kind_prefix("event"))
@@ -117,13 +126,17 @@ class BurstDuty:
         )
         nodes, self._busy_at = burst_view.nodes(view, self._busy_at, now)
         await self._mark_registered()
+        preempted = tuple(v for v in burst_view.vanished(view) if v[1] in pools)
         snap = Snapshot(
             pools=pools,
             nodes=nodes,
             starting=burst_view.starting(view, now),
             backlog=backlog,
             history=self._history(now),
-            preempted=tuple(v for v in burst_view.vanished(view) if v[1] in pools),
+            preempted=preempted,
+            on_demand_lost=frozenset(
+                node for node, _ in preempted if not view.instances[node].get("spot")
+            ),
         )
         for action in decide(snap, self.cfg):
             if isinstance(action, Launch):
@@ -131,7 +144,8 @@ class BurstDuty:
             elif isinstance(action, Release):
                 await self._release(action, pools.get(action.pool))
             elif isinstance(action, Forget):
-                self._preempted.setdefault(action.pool, deque()).append(now)
+                if action.node not in snap.on_demand_lost:  # the spot preemption rate
+                    self._preempted.setdefault(action.pool, deque()).append(now)
                 await self._drop_record(action.node)
                 await self._event("forget", action.pool, node=action.node, reason=action.reason)
         await self._release_orphans()
@@ -175,8 +189,9 @@ class BurstDuty:
                 await self._put_record(name, record | {"state": "running"})
 
     async def _launch(self, action: Launch, pool: Pool, now: float) -> None:
+        reason = f"{action.reason}; {action.market}" if action.market else action.reason
         await self._event("launch", pool.name, count=action.count, spot=action.spot,
-                          reason=action.reason)
+                          reason=reason)
         records = {}
         for _ in range(action.count):
             name = f"{pool.name}-{secrets.token_hex(3)}"

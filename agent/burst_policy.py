@@ -8,16 +8,18 @@ simulated clock.
 
 What ``decide`` guarantees, whatever the snapshot:
 
-- static capacity first: pending work is matched against the free and
-  starting slots of every pool it may use, static pools before provisioned
-  ones, and only the shortfall is asked of provisioners;
+- free capacity first: pending work is matched against the free and
+  starting slots of every pool it may use (the pools its experiment prefers
+  before the others, static before provisioned within each), and only the
+  shortfall is asked of provisioners, preferred pools first;
 - a pool is scaled only for work that has waited ``wait_threshold_s`` (or
   that a preempted node of the pool left behind), by enough nodes to drain
   that backlog within ``target_drain_s``;
 - nodes are never started when nothing is pending, and a pool never has more
   than ``max_nodes`` running plus starting;
 - spot first, on-demand when the pool recently refused spot capacity or when
-  its recent preemption fraction is too high;
+  its recent preemption fraction (counting the preemptions seen this tick) is
+  too high; every launch says why (``Launch.market``);
 - an idle provisioned node is released after its pool's idle timeout, never
   below ``min_nodes``, and never in a tick that scales its pool up;
 - a node that does not register within ``boot_timeout_s`` is released.
@@ -109,13 +111,16 @@ class Backlog:
     """Pending tasks of one experiment that could start now if a slot were free.
 
     ``pools`` are the pools whose nodes could run them, in the recipe's order of
-    preference (every fitting pool when the recipe names none)."""
+    preference (every fitting pool when the recipe names none); ``preferred`` those
+    of them the recipe prefers (``prefer_pools``), which are drawn on and scaled
+    first."""
 
     key: str
     pending: int
     oldest_wait_s: float
     task_s: float
     pools: tuple[str, ...]
+    preferred: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,15 +166,22 @@ class Snapshot:
     history: dict[str, PoolHistory] = field(default_factory=dict)
     preempted: tuple[tuple[str, str], ...] = ()
     """(node, pool) of owned nodes that vanished since the last tick."""
+    on_demand_lost: frozenset[str] = frozenset()
+    """Those of ``preempted`` that were on-demand: lost (crashed), replaced like the
+    others, but no part of the pool's spot preemption rate."""
 
 
 # ---------------------------------------------------------------------- actions
 @dataclass(frozen=True)
 class Launch:
+    """Start ``count`` nodes of ``pool``: ``reason`` says why nodes are needed,
+    ``market`` why they are spot or on-demand (see ``market``)."""
+
     pool: str
     count: int
     spot: bool
     reason: str
+    market: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -216,16 +228,33 @@ def preemption_fraction(preemptions: int, spot_nodes: int) -> float:
     return preemptions / (spot_nodes + preemptions)
 
 
-def use_spot(pool: Pool, spot_nodes: int, history: PoolHistory, cfg: BurstConfig) -> bool:
-    """Whether new nodes of ``pool`` should be spot: the pool asks for spot, the
-    provider has not refused spot within ``refusal_backoff_s``, and the recent
-    preemption fraction is at most ``max_preemption_fraction``."""
+def market(pool: Pool, spot_nodes: int, history: PoolHistory,
+           cfg: BurstConfig) -> tuple[bool, str]:
+    """Whether new nodes of ``pool`` should be spot, and why: the pool asks for spot,
+    the provider has not refused spot within ``refusal_backoff_s``, and the recent
+    preemption fraction (preemptions within ``preemption_window_s`` over the pool's
+    registered spot nodes plus those preemptions) is at most
+    ``max_preemption_fraction``."""
     if not pool.spot:
-        return False
-    if history.refused_s_ago is not None and history.refused_s_ago < cfg.refusal_backoff_s:
-        return False
+        return False, "on-demand: the pool is on-demand"
+    refused = history.refused_s_ago
+    if refused is not None and refused < cfg.refusal_backoff_s:
+        return False, (f"on-demand: spot capacity refused {refused:.0f}s ago "
+                       f"(backoff {cfg.refusal_backoff_s:.0f}s)")
     recent = sum(1 for age in history.preempted_s_ago if age < cfg.preemption_window_s)
-    return preemption_fraction(recent, spot_nodes) <= cfg.max_preemption_fraction
+    rate = preemption_fraction(recent, spot_nodes)
+    over = rate > cfg.max_preemption_fraction
+    return not over, (
+        f"{'on-demand' if over else 'spot'}: preemption rate {rate:.2f} "
+        f"({recent} of {recent + spot_nodes} spot nodes in the last "
+        f"{cfg.preemption_window_s:.0f}s) is {'above' if over else 'at most'} "
+        f"{cfg.max_preemption_fraction:.2f}"
+    )
+
+
+def use_spot(pool: Pool, spot_nodes: int, history: PoolHistory, cfg: BurstConfig) -> bool:
+    """Whether new nodes of ``pool`` should be spot (``market`` without the why)."""
+    return market(pool, spot_nodes, history, cfg)[0]
 
 
 # ---------------------------------------------------------------------- decision
@@ -235,7 +264,8 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
     pools = snap.pools
     preempted_pools = {name for _, name in snap.preempted}
     for node, name in snap.preempted:
-        actions.append(Forget(node, name, "preempted: node vanished without being released"))
+        what = "lost: on-demand node" if node in snap.on_demand_lost else "preempted: node"
+        actions.append(Forget(node, name, f"{what} vanished without being released"))
 
     # Nodes of each provisioned pool, running and starting, against its max.
     count: dict[str, int] = {name: 0 for name in pools}
@@ -261,9 +291,7 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
     reasons: dict[str, str] = {}
     for b in sorted(snap.backlog, key=lambda b: -b.oldest_wait_s):
         eligible = [p for p in b.pools if p in pools]
-        order = [p for p in eligible if not pools[p].provisioned] + [
-            p for p in eligible if pools[p].provisioned
-        ]
+        order = sorted(eligible, key=lambda p: (p not in b.preferred, pools[p].provisioned))
         need = slots_to_drain(b.pending, b.task_s, cfg.target_drain_s)
         for p in order:
             take = min(need, free.get(p, 0))
@@ -294,8 +322,14 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
         more = min(nodes_for_slots(slots, pool.slots), pool.max_nodes - count[p])
         if more <= 0:
             continue
-        spot = use_spot(pool, spot_nodes[p], snap.history.get(p, PoolHistory()), cfg)
-        actions.append(Launch(p, more, spot, reasons[p]))
+        history = snap.history.get(p, PoolHistory())
+        now_lost = sum(1 for node, name in snap.preempted
+                       if name == p and node not in snap.on_demand_lost)
+        if now_lost:  # the preemptions of this tick count at once
+            history = PoolHistory((0.0,) * now_lost + history.preempted_s_ago,
+                                  history.refused_s_ago)
+        spot, why = market(pool, spot_nodes[p], history, cfg)
+        actions.append(Launch(p, more, spot, reasons[p], why))
 
     # Releases: idle past the timeout, not below min, not while scaling up.
     releasing: dict[str, int] = {}

@@ -84,8 +84,10 @@ def backlog(
             since[key] = backlog_since.get(key, now)
             names = exp.pools or tuple(sorted(pools))
             eligible = tuple(p for p in names if p in pools and pool_fits(exp, pools[p], view))
+            preferred = tuple(p for p in exp.prefer_pools if p in eligible)
+            eligible = preferred + tuple(p for p in eligible if p not in preferred)
             task_s = mean_task_s(view, wid, exp.name, default_task_s)
-            items.append(Backlog(key, pending, now - since[key], task_s, eligible))
+            items.append(Backlog(key, pending, now - since[key], task_s, eligible, preferred))
     return tuple(sorted(items, key=lambda b: b.key)), since
 
 

@@ -4,7 +4,8 @@ Order: oldest workflow first, experiments in dependency order, tasks by index,
 so work drains in the order it was submitted. A task is a candidate when it has
 no claim and no result, its workflow is live, its hardware fits this node, the
 node has a free slot (and enough free GPUs), the node's pool is one the
-experiment allows (``pools``), its experiment was not cancelled, and its
+experiment allows (``pools``) and no preferred pool's node should take it first
+(``prefer_pools``, for a bounded delay), its experiment was not cancelled, and its
 experiment's ``workers`` cap (the recipe's, or one changed live with
 ``hypermesh scale``) has a free slot key and room above the tasks running now.
 """
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 
 from hypermesh.agent.gpu_pool import GpuInfo, GpuPool
 from hypermesh.agent.placement import Placement
+from hypermesh.agent.pool_preference import PoolPreference
 
 from hypermesh.keyspace import TaskRef
 from hypermesh.model import TERMINAL, MeshView, NodeRecord
-from hypermesh.recipe import Hardware
+from hypermesh.recipe import Experiment, Hardware
 from hypermesh.txns import ClaimPlan
 
 
@@ -53,6 +55,11 @@ def fits(hw: Hardware, node: NodeRecord) -> bool:
     return not (hw.memory and node.memory and hw.memory > node.memory)
 
 
+def allowed_on(exp: Experiment, node: NodeRecord) -> bool:
+    """Whether ``exp``'s tasks may ever run on ``node``: hardware and pool fit."""
+    return fits(exp.hardware, node) and (not exp.pools or node.pool in exp.pools)
+
+
 def choose_claims(
     view: MeshView,
     node: NodeRecord,
@@ -60,6 +67,7 @@ def choose_claims(
     limit: int,
     rng: random.Random | None = None,
     placement: Placement | None = None,
+    preference: PoolPreference | None = None,
 ) -> list[ClaimPlan]:
     """Up to ``limit`` tasks this node can start now, with attempt numbers and slots.
 
@@ -68,7 +76,9 @@ def choose_claims(
     agents racing for the same experiment rarely collide on the same tasks
     while work still drains roughly in index order. With ``placement``, tasks whose
     data this node holds come first and tasks a holder should take are skipped for a
-    while (``agent/placement.py``).
+    while (``agent/placement.py``). With ``preference``, tasks of experiments that prefer
+    other pools are left a while to those pools' live nodes with room
+    (``agent/pool_preference.py``).
     """
     spread = max(1, len(view.nodes)) if rng is not None else 1
     free = node.slots - len(load.running)
@@ -90,8 +100,12 @@ def choose_claims(
             exp = wf.recipe.experiment(name)
             if exp.nodes > 1:
                 continue  # a gang: claimed seat by seat (agent/gang.py)
-            if not fits(exp.hardware, node) or (exp.pools and node.pool not in exp.pools):
+            if not allowed_on(exp, node):
                 continue
+            if preference is not None:
+                open_indices = preference.split(wf.id, exp, open_indices)
+                if not open_indices:
+                    continue
             workers = view.workers(wf.id, exp)
             free_slots: list[int] = []
             if workers is not None:

@@ -39,6 +39,7 @@ from hypermesh.agent.locality import Locality
 from hypermesh.agent.metrics import MetricsServer
 from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.mounts import Mounts
+from hypermesh.agent.pool_wait import PoolWait
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.share_config import ShareConfig
 from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
@@ -126,6 +127,8 @@ class Agent:
             cfg.name, cfg.store, cfg.locality_delay, self.mounts, lambda: self._wake.set(),
             self.decide, self.gossip.alive, self.share.peers.holders,
         )
+        self.pool_wait = PoolWait(cfg.pool_delay, lambda: self._wake.set(), self.decide,
+                                  self.gossip.alive)
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self.gangs = GangDuty(self)  # seats in gangs (experiments with nodes > 1)
@@ -263,6 +266,7 @@ class Agent:
             self.telemetry.close()
             if self.locality is not None:
                 self.locality.close()
+            self.pool_wait.close()
             if self._dashboard_start is not None:
                 self._dashboard_start.cancel()
             if self._dashboard is not None:
@@ -506,10 +510,13 @@ class Agent:
             if self.view.revision < self.written_revision:
                 return  # the watch will bring our own writes and wake us
             load = self._load()
+            me = self.record()
             placement = self.locality.placement(self.view) if self.locality else None
-            plans = choose_claims(self.view, self.record(), load, batch, self.rng, placement)
+            preference = self.pool_wait.round(self.view, me)
+            plans = choose_claims(self.view, me, load, batch, self.rng, placement, preference)
             if self.locality is not None and placement is not None:
                 self.locality.after_round(placement, self.view)
+            self.pool_wait.after_round(preference)
             if not plans:
                 return
             # Until the claim is decided its slots and GPUs are taken here, so that a

@@ -32,9 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 from hypermesh.agent.chunk_peers import HoldersView
-from hypermesh.agent.claims import fits
+from hypermesh.agent.claims import allowed_on
 from hypermesh.agent.mounts import Mounts
 from hypermesh.agent.placement import Inputs, Placement, prune_since
+from hypermesh.agent.wake_timer import WakeTimer
 from hypermesh.chunkfs.coverage import CoverageCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.format import Root
@@ -99,8 +100,7 @@ class Locality:
         self._local_at = float("-inf")  # when the last finished scan started
         self._scan: asyncio.Task[None] | None = None
         self._jobs: set[asyncio.Task[None]] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = float("inf")
+        self._timer = WakeTimer(wake)
         self._told: set[TaskRef] = set()  # deferrals already in the decision log
 
     # ------------------------------------------------------------------ a round
@@ -125,8 +125,7 @@ class Locality:
             now=now,
             since=self.since,
             delay_s=self.delay_s,
-            fits=lambda exp, node: fits(exp.hardware, node)
-            and (not exp.pools or node.pool in exp.pools),
+            fits=allowed_on,
         )
 
     def _known(self, ref: TaskRef) -> Inputs | None:
@@ -153,26 +152,12 @@ class Locality:
             self._jobs.add(task)
             task.add_done_callback(self._jobs.discard)
         if placement.next_deadline is not None:
-            self._wake_at(placement.next_deadline)
-
-    def _wake_at(self, when: float) -> None:
-        if self._timer is not None and self._timer_at <= when:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._timer_at = when
-        self._timer = loop.call_later(max(0.0, when - time.monotonic()) + 0.01, self._fire)
-
-    def _fire(self) -> None:
-        self._timer, self._timer_at = None, float("inf")
-        self.wake()
+            self._timer.at(placement.next_deadline)
 
     def close(self) -> None:
         for task in [*self._jobs, *([self._scan] if self._scan else [])]:
             task.cancel()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         if self._store is not None:
             self._store.close()
 

@@ -249,6 +249,14 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "'off': ignore where data is.",
 )
 @click.option(
+    "--pool-delay",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="How long to leave a task to a node of a pool its experiment prefers "
+    "(prefer_pools) that has room [lan: 5, local: 2].",
+)
+@click.option(
     "--peer-sharing",
     type=click.Choice(["on", "off"]),
     default="on",
@@ -286,6 +294,7 @@ def agent_start(
     telemetry_period: float | None,
     http_listen: str | None,
     locality_delay: str,
+    pool_delay: float | None,
     peer_sharing: str,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
@@ -322,6 +331,8 @@ def agent_start(
         overrides["spot_notice_url"] = spot_notice_url
     if spot_poll is not None:
         overrides["spot_poll"] = spot_poll
+    if pool_delay is not None:
+        overrides["pool_delay"] = pool_delay
     if http_listen is not None:
         overrides["http_listen"] = None if http_listen == "off" else http_listen
     if not logging.getLogger().isEnabledFor(logging.INFO):

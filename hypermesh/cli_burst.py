@@ -212,8 +212,9 @@ async def events(mesh: Mesh, as_json: bool, follow: bool) -> None:
 # ---------------------------------------------------------------------- submit
 async def unknown_pools(etcd: Etcd, ks: Keyspace, recipe: Recipe) -> list[str]:
     """Warnings for experiments whose ``pools`` name no declared pool and no pool a
-    live node is in: their tasks would wait until such a node joins."""
-    named = {p for exp in recipe.experiments for p in exp.pools}
+    live node is in (their tasks would wait until such a node joins), and whose
+    ``prefer_pools`` name none (the preference does nothing until one does)."""
+    named = {p for exp in recipe.experiments for p in (*exp.pools, *exp.prefer_pools)}
     if not named:
         return []
     view = await _load(etcd, ks, ("pool", "node"))
@@ -224,6 +225,11 @@ async def unknown_pools(etcd: Etcd, ks: Keyspace, recipe: Recipe) -> list[str]:
         for exp in recipe.experiments
         for p in exp.pools
         if p not in known and not any(q in known for q in exp.pools)
+    ] + [
+        f"experiment {exp.name!r}: no preferred pool ({', '.join(exp.prefer_pools)}) is "
+        "declared or has a live node; the preference does nothing until one does"
+        for exp in recipe.experiments
+        if exp.prefer_pools and not any(q in known for q in exp.prefer_pools)
     ]
 
 

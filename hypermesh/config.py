@@ -130,6 +130,13 @@ class AgentConfig:
     whose data this node holds, never wait. None (``off``): place tasks without
     regard to data, as if no task had inputs."""
 
+    pool_delay: float = 5.0
+    """Seconds (0-600) an agent leaves a claimable task to a live node of a pool the
+    task's experiment prefers (the recipe's ``prefer_pools``) that has a free slot,
+    before it claims the task itself (``--pool-delay``). Longer: more tasks run in the
+    preferred pools when their nodes are slow to claim; shorter: less idle time when a
+    preferred node looks free but cannot take the task. 0: never wait."""
+
     peer_sharing: bool = True
     """Whether this node's data set mounts ask the agent for chunks that peers hold
     (and share cold reads with them) before the object store (``--peer-sharing``).
@@ -165,6 +172,7 @@ class AgentConfig:
         _check_range("telemetry_history", self.telemetry_history, 1, 100_000)
         if self.locality_delay is not None:
             _check_range("--locality-delay", self.locality_delay, 0, 600)
+        _check_range("--pool-delay", self.pool_delay, 0, 600)
         _check_address("--listen", self.listen)
         if self.metrics_listen is not None:
             _check_address("--metrics-listen", self.metrics_listen)
@@ -186,6 +194,7 @@ class AgentConfig:
             "log_upload_s": 1.0,
             "http_listen": "127.0.0.1:0",
             "preset": "local",
+            "pool_delay": 2.0,
         }
         return cls(**(base | overrides))  # type: ignore[arg-type]
 

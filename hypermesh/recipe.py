@@ -133,6 +133,10 @@ class Experiment:
     the task starts) or ``NAME@VERSION``; the agent mounts each and tells the task where.
     ``pools``, when not empty, are the only pools whose nodes run the tasks, in order of
     preference (the leader scales the first provisioned pool with room first).
+    ``prefer_pools`` are pools whose nodes take the tasks first (a soft preference): a
+    node of another allowed pool leaves a task for a bounded delay while a live node of
+    a preferred pool has room (``agent/pool_preference.py``), and the leader scales
+    them first. Each is one of ``pools`` when ``pools`` is given.
     """
 
     name: str
@@ -155,9 +159,11 @@ class Experiment:
     pruning: str | None = None  # "median": stop trials worse than the median
     nodes: int = 1  # > 1: each task is a gang of this many members (agent/gang.py)
     inputs: tuple[str, ...] = ()  # ALIAS/PATH templates: what each task reads (placement)
+    prefer_pools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
+        object.__setattr__(self, "prefer_pools", tuple(self.prefer_pools))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "parameters", tuple(self.parameters))
@@ -265,7 +271,7 @@ _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
-    "pruning", "nodes", "inputs",
+    "pruning", "nodes", "inputs", "prefer_pools",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
@@ -360,6 +366,10 @@ class _Checker(MLChecker):
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
         pools = optional("pools", self.pools) or ()
+        prefer_pools = optional("prefer_pools", self.pools) or ()
+        if pools and prefer_pools:
+            self.preferred_allowed(given["prefer_pools"], f"{path}.prefer_pools",
+                                   prefer_pools, pools)
         inputs = optional("inputs", self.inputs, data, declared) or ()
         objective = optional("objective", self.objective)
         sampling = self.choice(spec.get("sampling"), f"{path}.sampling", EXPERIMENT_SAMPLINGS)
@@ -376,7 +386,7 @@ class _Checker(MLChecker):
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
-            pruning=pruning, nodes=nodes, inputs=inputs,
+            pruning=pruning, nodes=nodes, inputs=inputs, prefer_pools=prefer_pools,
         )
 
     # ------------------------------------------------------------------ data sets
@@ -445,6 +455,17 @@ class _Checker(MLChecker):
             else:
                 names.append(name)
         return tuple(names) if len(names) == len(items) else None
+
+    def preferred_allowed(self, node: _Node, path: str, preferred: tuple[str, ...],
+                          allowed: tuple[str, ...]) -> None:
+        """Each of ``prefer_pools`` must be one of ``pools``: a preferred pool the recipe
+        forbids could never run the tasks."""
+        items = node.value if isinstance(node.value, list) else [node]
+        for i, name in enumerate(preferred):
+            if name not in allowed:
+                where = f"{path}[{i}]" if isinstance(node.value, list) else path
+                self.at(items[i], where, f"pool {name!r} is not one of 'pools' "
+                        f"({', '.join(allowed)}): a preferred pool must be allowed")
 
     # ------------------------------------------------------------------ command
     def command(

@@ -84,3 +84,12 @@ def test_events_cli_lists_and_follows(mesh: Mesh) -> None:
     finally:
         follow.terminate()
         follow.wait(10)
+
+
+def test_only_a_live_leader_makes_burst_decisions() -> None:
+    leader = SimpleNamespace(ks=None, is_leader=True, lease_is_lost=False, state="alive")
+    duty = BurstDuty(leader, BurstConfig.local())  # type: ignore[arg-type]
+    assert duty.acting()
+    for change in ({"is_leader": False}, {"lease_is_lost": True}, {"state": "draining"}):
+        duty.agent = SimpleNamespace(**(vars(leader) | change))  # type: ignore[assignment]
+        assert not duty.acting(), change

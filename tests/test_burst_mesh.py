@@ -14,7 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -178,3 +178,62 @@ def test_local_mesh_stops_the_agents_its_leader_started(tmp_path: Path) -> None:
     finally:
         mesh.close()
     assert mesh_agents(mesh.etcd.url, "burstclose") == []
+
+
+def test_high_preemption_rate_makes_the_next_launch_on_demand(burst_mesh: Mesh) -> None:
+    """Local preset: more than half of the pool's spot nodes of the last 60 s
+    preempted makes its next node on-demand; the launch event says why."""
+    mesh = burst_mesh
+    mesh.hm("pool", "set", "burst", "--kind", "local", "--price", "1", "--spot-price", "0.25",
+            "--spot", "--max", "2", "--idle-timeout", "60s", check=True)
+    wid = mesh.submit(mesh.write_recipe(SWEEP.format(values=", ".join(map(str, range(12))),
+                                                     seconds=4)))
+
+    def burst_runners() -> list[str] | None:
+        nodes = {str(t["node"]) for t in mesh.hm_json("tasks", wid)
+                 if t["state"] == "running" and str(t["node"]).startswith("burst-")}
+        return sorted(nodes) if len(nodes) == 2 else None
+
+    runners = wait_for(burst_runners, 60, "two spot burst nodes running tasks", interval=0.3)
+    first, second = cast(list[str], runners)
+
+    def preempt(victim: str) -> dict[str, Any]:
+        """SIGKILL ``victim``; the launch that replaces it, once it is forgotten."""
+        (proc,) = [p for p in burst_processes(mesh)
+                   if ("--name", victim) in set(itertools.pairwise(p.cmdline()))]
+        proc.send_signal(signal.SIGKILL)
+
+        def replacement() -> dict[str, Any] | None:
+            log = events(mesh)
+            forgot = [i for i, e in enumerate(log)
+                      if e["action"] == "forget" and e["node"] == victim]
+            later = [e for e in log[forgot[0]:] if e["action"] == "launch"] if forgot else []
+            return later[0] if later else None
+
+        found = wait_for(replacement, 30, f"{victim} to be forgotten and replaced",
+                         interval=0.3)
+        return cast(dict[str, Any], found)
+
+    # One of two spot nodes preempted: a rate of 0.5 is not above 0.5, still spot.
+    launch = preempt(first)
+    assert launch["spot"] is True, launch
+    assert launch["reason"].startswith("replace preempted node"), launch
+    assert "; spot: preemption rate 0.50 (1 of 2 spot nodes in the last 60s) is at most 0.50" \
+        in launch["reason"], launch
+
+    # A second one: 2 of 3 (or of 2, if the replacement has not registered yet).
+    launch = preempt(second)
+    assert launch["spot"] is False, launch
+    assert "; on-demand: preemption rate" in launch["reason"], launch
+    assert "is above 0.50" in launch["reason"], launch
+    assert mesh.hm_json("status", wid)["state"] == "running"  # work remained
+
+    def on_demand_node() -> list[str]:
+        return [n["name"] for n in mesh.hm_json("nodes")
+                if n["pool"] == "burst" and n["spot"] is False]
+
+    (node,) = cast(list[str], wait_for(on_demand_node, 60,
+                                       "the on-demand burst node to register", interval=0.3))
+    (proc,) = [p for p in burst_processes(mesh)
+               if ("--name", node) in set(itertools.pairwise(p.cmdline()))]
+    assert "--spot" not in proc.cmdline()

@@ -14,6 +14,7 @@ from hypermesh.agent.burst_policy import (
     Snapshot,
     Starting,
     decide,
+    market,
     nodes_for_slots,
     preemption_fraction,
     slots_to_drain,
@@ -87,6 +88,51 @@ def test_preemption_fraction(preempted: int, spot_nodes: int, fraction: float) -
 )
 def test_use_spot(pool: Pool, spot_nodes: int, history: PoolHistory, spot: bool) -> None:
     assert use_spot(pool, spot_nodes, history, CFG) is spot
+
+
+@pytest.mark.parametrize(
+    ("pool", "spot_nodes", "history", "why"),
+    [
+        (BURST, 0, PoolHistory(), "spot: preemption rate 0.00 (0 of 0 spot nodes in the last "
+                                  "3600s) is at most 0.50"),
+        (Pool("od", kind="local", max_nodes=2), 0, PoolHistory(),
+         "on-demand: the pool is on-demand"),
+        (BURST, 0, PoolHistory(refused_s_ago=10),
+         "on-demand: spot capacity refused 10s ago (backoff 300s)"),
+        (BURST, 2, PoolHistory(preempted_s_ago=(5, 10)),
+         "spot: preemption rate 0.50 (2 of 4 spot nodes in the last 3600s) is at most 0.50"),
+        (BURST, 1, PoolHistory(preempted_s_ago=(5, 10, 5000)),
+         "on-demand: preemption rate 0.67 (2 of 3 spot nodes in the last 3600s) is above 0.50"),
+    ],
+)
+def test_market_says_why(pool: Pool, spot_nodes: int, history: PoolHistory, why: str) -> None:
+    spot, reason = market(pool, spot_nodes, history, CFG)
+    assert reason == why
+    assert spot is use_spot(pool, spot_nodes, history, CFG) is reason.startswith("spot")
+
+
+def test_preemptions_seen_this_tick_count_towards_the_rate() -> None:
+    # c1 vanished this tick (the duty adds it to the history only afterwards); with
+    # c2 still alive the rate is 1 of 2: spot. With c2 gone too, 2 of 2: on-demand.
+    one = Snapshot(POOLS, nodes=(static_node(), cloud_node("c2", running=1)),
+                   backlog=(backlog(3, wait=1),), preempted=(("c1", "cloud"),))
+    launch = next(a for a in decide(one, CFG) if isinstance(a, Launch))
+    assert launch.spot is True and "rate 0.50 (1 of 2" in launch.market
+    both = Snapshot(POOLS, nodes=(static_node(),), backlog=(backlog(3, wait=1),),
+                    preempted=(("c1", "cloud"), ("c2", "cloud")))
+    launch = next(a for a in decide(both, CFG) if isinstance(a, Launch))
+    assert launch.spot is False
+    assert launch.market.startswith("on-demand: preemption rate 1.00 (2 of 2")
+
+
+def test_lost_on_demand_nodes_are_replaced_but_not_counted_as_preempted() -> None:
+    snap = Snapshot(POOLS, nodes=(static_node(),), backlog=(backlog(3, wait=1),),
+                    preempted=(("c1", "cloud"),), on_demand_lost=frozenset({"c1"}))
+    forget, launch = decide(snap, CFG)
+    assert forget == Forget("c1", "cloud", "lost: on-demand node vanished without being released")
+    assert isinstance(launch, Launch) and launch.spot is True
+    assert launch.reason.startswith("replace preempted node")
+    assert launch.market.startswith("spot: preemption rate 0.00 (0 of 0")
 
 
 def test_config_rejects_out_of_range_values() -> None:
@@ -164,9 +210,9 @@ def test_no_release_while_the_pool_scales_up() -> None:
 
 def test_preempted_node_is_forgotten_and_replaced_at_once() -> None:
     # The work left behind has waited only 1 s, but a preemption does not wait.
+    # The duty records a preemption after the tick that saw it: history is empty.
     snap = Snapshot(POOLS, nodes=(static_node(), cloud_node("c2", running=1)),
-                    backlog=(backlog(1, wait=1),), preempted=(("c1", "cloud"),),
-                    history={"cloud": PoolHistory(preempted_s_ago=(0,))})
+                    backlog=(backlog(1, wait=1),), preempted=(("c1", "cloud"),))
     assert decide(snap, CFG) == [
         Forget("c1", "cloud", "preempted: node vanished without being released"),
         Launch("cloud", 1, True,

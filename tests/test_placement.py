@@ -258,12 +258,17 @@ def test_locality_delay_setting_is_checked() -> None:
         AgentConfig.local(locality_delay=601.0)
 
 
-def test_agent_start_refuses_a_bad_locality_delay(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "hypermesh", "agent", "start", "--work-dir", str(tmp_path),
-         "--locality-delay", "soon"],
+def agent_start(work_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``hypermesh agent start`` with ``args``, run to its end (for refused settings)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hypermesh", "agent", "start", "--work-dir", str(work_dir),
+         *args],
         capture_output=True, text=True, timeout=60,
     )
+
+
+def test_agent_start_refuses_a_bad_locality_delay(tmp_path: Path) -> None:
+    out = agent_start(tmp_path, "--locality-delay", "soon")
     assert out.returncode == 2
     assert "--locality-delay 'soon': expected seconds (0-600) or 'off'" in out.stderr
 
