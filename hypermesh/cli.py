@@ -564,8 +564,12 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
             if "waiting" in e:
                 click.echo(f"    {e['waiting']}")
         c = s["cost"]
-        click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
-                   f"(on-demand: {c['on_demand_cost']:.4f})")
+        if not c["pools"]:  # nothing recorded: "cost 0 for 0 node-s" would read as a fact
+            click.echo("  cost: none recorded (the leader records node-seconds while pools "
+                       "are declared, see 'hypermesh pool set')")
+        else:
+            click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
+                       f"(on-demand: {c['on_demand_cost']:.4f})")
 
 
 @main.command()

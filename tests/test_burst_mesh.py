@@ -105,7 +105,8 @@ def test_backlog_bursts_then_idle_burst_nodes_leave(burst_mesh: Mesh) -> None:
     assert cost["pools"]["burst"]["spot_s"] > 0
     (listed,) = mesh.hm_json("status")
     assert listed["id"] == wid and listed["cost"]["cost"] >= cost["cost"]
-    assert "cost" in mesh.hm("status", wid, check=True).stdout
+    plain = mesh.hm("status", wid, check=True).stdout
+    assert f"node-s (on-demand: {cost['on_demand_cost']:.4f})" in plain, plain
 
 
 def test_preempted_burst_node_is_replaced_while_work_remains(burst_mesh: Mesh) -> None:

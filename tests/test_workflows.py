@@ -60,6 +60,10 @@ experiments:
         "c",
     ]
     assert all(0.1 <= t["params"]["lr"] <= 0.3 for t in tasks if t["experiment"] == "train")
+    # No pool declared: no prices and no node-seconds recorded, and the table says so
+    # rather than showing a cost of 0.
+    assert status["cost"]["pools"] == {}
+    assert "cost: none recorded" in mesh.hm("status", wid, check=True).stdout
 
 
 def test_task_environment_and_logs(mesh: Mesh) -> None:
