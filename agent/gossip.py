@@ -212,6 +212,7 @@ class Gossip:
                 self._cached_bytes = sum(h.present_bytes for h in held.values())
                 self._reads = await asyncio.to_thread(read_reads, mounts.cache_roots())
                 self.agent.share.scanned(held)
+                await self.agent.share.publish_elsewhere(held, mounts.cache_roots)
             except Exception:  # a bad cache directory must not stop gossip
                 log.exception("counting the chunk caches failed")
             finally:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypermesh.agent.chunk_share import SERVE_PAUSE_ENV
 from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.format import ChunkInfo, chunk_key
 from hypermesh.chunkfs.mount import MountProcess
@@ -194,6 +195,38 @@ def test_a_frozen_then_killed_peer_costs_the_reader_only_time(pair: Pair) -> Non
     assert b.read("c.bin") == pair.data["c.bin"]
     assert b.gets(pair.chunks[0]) == 0
     assert b.gets(pair.chunks[1]) >= 1 and b.gets(pair.chunks[2]) >= 1
+
+
+def test_a_peer_killed_half_way_through_a_transfer_costs_the_reader_only_time(
+    pair: Pair,
+) -> None:
+    """a streams a range to b slowly (a test-only pause between pieces); a is SIGKILLed
+    once it has started to serve it, and b's read still returns the right bytes."""
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+    a.agent.kill()
+    a.agent.env = dict(os.environ, **{SERVE_PAUSE_ENV: "0.3"})  # 3 pieces: 0.6 s or more
+    try:
+        a.agent.start()
+    finally:
+        a.agent.env = None  # the next test starts it as usual
+    assert a.read("a.bin") == pair.data["a.bin"]  # into a's cache (from the store)
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    before = locate(b, first).counters
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(b.read("a.bin")))
+    reader.start()
+    try:
+        wait_for(lambda: locate(b, first).counters["peer_bytes"] > before["peer_bytes"], 20,
+                 "a's first piece to reach b", interval=0.01)
+        a.agent.kill()
+    finally:
+        reader.join(60)
+    assert got == [pair.data["a.bin"]]
+    # the transfer broke off half-way, and b read the range from the store instead
+    after = locate(b, first).counters
+    assert after["peer_lost"] > before["peer_lost"]
+    assert after["peer_bytes"] - before["peer_bytes"] < 3 * MiB
+    assert b.blocks("peer") == 0 and b.blocks("store") == 3 and b.gets(first) >= 1
 
 
 def test_two_nodes_missing_a_chunk_together_fetch_it_from_the_store_once(pair: Pair) -> None:
