@@ -69,6 +69,7 @@ ChangeCallback = Callable[[str, bool], None]
 
 SPARE, UNSURE, SHARED, SOLE = 0, 1, 2, 3
 """Ranks of a cached chunk for eviction (lowest evicted first); see :func:`keep_rank`."""
+RANK_NAMES = ("spare", "unsure", "shared", "sole")
 
 
 def keep_rank(copy: bool, elsewhere: bool, was_elsewhere: bool) -> int:
@@ -236,6 +237,13 @@ class ChunkCache:
         """Each chunk holding blocks and its :func:`keep_rank` (for tests and tools)."""
         with self._lock:
             return {c.id: c.rank for c in self._chunks.values() if c.present_bytes}
+
+    def rank_counts(self) -> dict[str, int]:
+        """How many cached chunks have each rank, by name (``RANK_NAMES``)."""
+        counts = dict.fromkeys(RANK_NAMES, 0)
+        for rank in self.ranks().values():
+            counts[RANK_NAMES[rank]] += 1
+        return counts
 
     def block_list(self, cid: str) -> bytes | None:
         with self._lock:

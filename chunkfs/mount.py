@@ -161,6 +161,7 @@ def serve(
                 "bytes": cache.used_bytes,
                 "max_bytes": cache.max_bytes,
                 "chunks": len(cache.chunk_ids()),
+                "ranks": cache.rank_counts(),
             },
             "outputs": {"uploads": outputs.uploads, "upload_bytes": outputs.upload_bytes},
             "manifest_pages_loaded": manifest.pages_loaded,

@@ -161,6 +161,25 @@ def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
     assert "HITS C/P/S %" in pair.mesh.hm("nodes", check=True).stdout
 
 
+def test_a_node_learns_which_of_its_chunks_another_node_holds_and_ranks_them(
+    pair: Pair,
+) -> None:
+    """a fetched the chunk from the store, b copied it from a: through gossip and the
+    agents' records, a's mount ranks it shared (a copy is elsewhere) and b's spare."""
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+
+    def ranks(node: Node) -> dict[str, int]:
+        return {k: v for k, v in node.mount.stats()["cache"]["ranks"].items() if v}
+
+    assert a.read("a.bin") == pair.data["a.bin"]
+    assert ranks(a) == {"sole": 1}
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    assert b.read("a.bin") == pair.data["a.bin"] and b.blocks("peer") == 3
+    wait_for(lambda: ranks(b) == {"spare": 1}, 20, "b's copy to rank spare")
+    wait_for(lambda: ranks(a) == {"shared": 1}, 20, "a's chunk to rank shared")
+    assert first.id in (a.mount.cache_dir / "elsewhere").read_text().split()
+
+
 def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
     a, b, first = pair.a, pair.b, pair.chunks[0]
     assert a.read("a.bin") == pair.data["a.bin"]
