@@ -67,9 +67,9 @@ MAX_RECORDS = 8192
 
 ChangeCallback = Callable[[str, bool], None]
 
-SPARE, UNSURE, SHARED, SOLE = 0, 1, 2, 3
+SPARE, UNSURE, SOLE = 0, 1, 2
 """Ranks of a cached chunk for eviction (lowest evicted first); see :func:`keep_rank`."""
-RANK_NAMES = ("spare", "unsure", "shared", "sole")
+RANK_NAMES = ("spare", "unsure", "sole")
 
 
 def keep_rank(copy: bool, elsewhere: bool, was_elsewhere: bool) -> int:
@@ -79,15 +79,17 @@ def keep_rank(copy: bool, elsewhere: bool, was_elsewhere: bool) -> int:
     - ``elsewhere``: the node's agent said, last time it was asked, that another alive
       node holds the chunk too; ``was_elsewhere``: it said so at some time before.
 
-    A copy another node is known to hold is ``SPARE``; a copy nobody is known to hold
-    yet is ``UNSURE`` (its source most likely still has it: the agent's view lags a few
+    A chunk this node fetched from the store is ``SOLE`` whoever else holds it: the
+    node that fetched a chunk keeps it, the nodes that copied it from there hold spares.
+    (Ranking own chunks that others copied lower, too, made holder and copier pick the
+    same chunks to drop, and lose them together while the view lagged.) A copy another
+    node is known to hold is ``SPARE``; a copy nobody is known to hold yet is
+    ``UNSURE`` (its source most likely still has it: the agent's view lags a few
     seconds); one whose other holders have all gone since (evicted it, or died) is
-    ``SOLE``: it may be the last one. A chunk this node fetched from the store is
-    ``SHARED`` while others hold copies of it, else ``SOLE``: its copies elsewhere are
-    spares there, so two holders never both drop a chunk as the other's spare.
+    ``SOLE``: it may be the last one.
     """
     if not copy:
-        return SHARED if elsewhere else SOLE
+        return SOLE
     if elsewhere:
         return SPARE
     return SOLE if was_elsewhere else UNSURE
@@ -213,7 +215,7 @@ class ChunkCache:
 
     def has_room(self, cid: str, length: int) -> bool:
         """Whether ``length`` more bytes of chunk ``cid`` fit without evicting a chunk
-        of rank ``SOLE`` (free space and chunks another node holds too count as room).
+        of rank ``SOLE`` (free space and copies of chunks from peers count as room).
         A hint for the cold-segment race: a node without room lets one with room fetch."""
         with self._lock:
             free = self.max_bytes - self._bytes

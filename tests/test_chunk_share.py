@@ -165,7 +165,7 @@ def test_a_node_learns_which_of_its_chunks_another_node_holds_and_ranks_them(
     pair: Pair,
 ) -> None:
     """a fetched the chunk from the store, b copied it from a: through gossip and the
-    agents' records, a's mount ranks it shared (a copy is elsewhere) and b's spare."""
+    agents' records, b's mount ranks its copy spare (a keeps it: sole there)."""
     a, b, first = pair.a, pair.b, pair.chunks[0]
 
     def ranks(node: Node) -> dict[str, int]:
@@ -175,9 +175,12 @@ def test_a_node_learns_which_of_its_chunks_another_node_holds_and_ranks_them(
     assert ranks(a) == {"sole": 1}
     wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
     assert b.read("a.bin") == pair.data["a.bin"] and b.blocks("peer") == 3
+    assert ranks(b) in ({"unsure": 1}, {"spare": 1})
     wait_for(lambda: ranks(b) == {"spare": 1}, 20, "b's copy to rank spare")
-    wait_for(lambda: ranks(a) == {"shared": 1}, 20, "a's chunk to rank shared")
-    assert first.id in (a.mount.cache_dir / "elsewhere").read_text().split()
+    assert first.id in (b.mount.cache_dir / "elsewhere").read_text().split()
+    wait_for(lambda: first.id in (a.mount.cache_dir / "elsewhere").read_text().split(), 20,
+             "a to learn that b holds it too")
+    assert ranks(a) == {"sole": 1}  # the node that fetched it keeps it
 
 
 def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:

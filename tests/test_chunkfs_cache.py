@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hypermesh.chunkfs.cache import (
-    SHARED,
     SOLE,
     SPARE,
     UNSURE,
@@ -213,8 +212,8 @@ def test_a_block_that_must_not_evict_is_stored_only_into_free_space(tmp_path: Pa
         (True, True, True, SPARE),  # a copy another node holds too
         (True, False, False, UNSURE),  # a copy nobody is known to hold yet
         (True, False, True, SOLE),  # a copy whose other holders have gone
-        (False, True, True, SHARED),  # fetched here from the store, copied elsewhere
-        (False, False, False, SOLE),  # fetched here, nobody else has it
+        (False, True, True, SOLE),  # fetched here from the store: kept, copies or not
+        (False, False, False, SOLE),
         (False, False, True, SOLE),
     ],
 )
@@ -228,22 +227,25 @@ def test_eviction_drops_what_other_nodes_hold_before_what_only_this_node_holds(
     """Lowest rank first, least recently used within a rank; a store fetch may evict
     anything, a peer's block only free space."""
     cache = ChunkCache(tmp_path, 4 * MiB)
-    sole, shared, spare, unsure = (Chunk(MiB, i) for i in range(4))
-    for chunk, from_peer in ((sole, False), (shared, False), (spare, True), (unsure, True)):
+    old_own, own, spare, unsure = (Chunk(MiB, i) for i in range(4))
+    for chunk, from_peer in ((old_own, False), (own, False), (spare, True), (unsure, True)):
         cache.admit(chunk.id, chunk.size, chunk.block_list)
         assert cache.put_block(chunk.id, 0, chunk.block(0), from_peer=from_peer)
-    cache.set_elsewhere(frozenset({shared.id, spare.id, "f" * 64}))  # unknown ids ignored
-    assert cache.ranks() == {sole.id: SOLE, shared.id: SHARED, spare.id: SPARE,
+    # own is copied elsewhere too, spare is held elsewhere; unknown ids are ignored
+    cache.set_elsewhere(frozenset({own.id, spare.id, "f" * 64}))
+    assert cache.ranks() == {old_own.id: SOLE, own.id: SOLE, spare.id: SPARE,
                              unsure.id: UNSURE}
-    # the oldest (sole) is the least recently used; it still goes last
+    peer = Chunk(MiB, 9)  # a peer's block never evicts
+    cache.admit(peer.id, peer.size, peer.block_list)
+    assert not cache.put_block(peer.id, 0, peer.block(0), from_peer=True)
     order: list[str] = []
     for seed in range(10, 14):
-        new = Chunk(MiB, seed)
-        fill(cache, new)
-        left = {sole.id, shared.id, spare.id, unsure.id} - set(cache.chunk_ids())
+        fill(cache, Chunk(MiB, seed))
+        left = {old_own.id, own.id, spare.id, unsure.id} - set(cache.chunk_ids())
         order += sorted(left - set(order))
-    assert order == [spare.id, unsure.id, shared.id, sole.id]
-    assert cache.stats.snapshot()["evicted_sole"] == 1
+    # the copies first although they are the most recently used; then own chunks, LRU
+    assert order == [spare.id, unsure.id, old_own.id, own.id]
+    assert cache.stats.snapshot()["evicted_sole"] == 2
 
 
 def test_a_copy_turns_sole_when_its_other_holders_go_and_a_store_block_makes_it_own(
@@ -259,7 +261,7 @@ def test_a_copy_turns_sole_when_its_other_holders_go_and_a_store_block_makes_it_
     cache.set_elsewhere(frozenset({b.id}))  # a's other holders evicted it or died
     assert cache.ranks()[a.id] == SOLE
     assert cache.put_block(b.id, 1, b.block(1))  # a block from the store: b is ours now
-    assert cache.ranks()[b.id] == SHARED
+    assert cache.ranks()[b.id] == SOLE
 
 
 def test_room_counts_free_space_and_chunks_other_nodes_hold(tmp_path: Path) -> None:
