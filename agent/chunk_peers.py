@@ -27,7 +27,7 @@ from typing import Any
 
 from hypermesh.agent.chunk_summary import ChunkDelta, ChunkSummary
 
-__all__ = ["ChunkPeers", "HoldersView", "holder_order"]
+__all__ = ["ChunkPeers", "HoldersView", "holder_order", "race_delay"]
 
 META_KEY = "chunks"
 ALIVE = "alive"
@@ -50,6 +50,19 @@ def holder_order(chunk_id: str, holders: Iterable[str]) -> list[str]:
         return hashlib.blake2b(f"{chunk_id}\0{node}".encode(), digest_size=8).digest()
 
     return sorted(set(holders), key=rank, reverse=True)
+
+
+def race_delay(cache_full: bool, won_here: bool, defer_s: float) -> float:
+    """Seconds a node waits before it races for a cold segment it misses.
+
+    A node whose cache cannot take the segment without evicting a chunk only it may
+    hold (``cache_full``) waits ``defer_s``, so that a node with room that misses the
+    segment at about the same time wins and keeps it; it then reads the segment from
+    that node without caching it. Every other node, and one that has just won this
+    segment (``won_here``: its key still names it), races at once: a node with free
+    space, or one reading alone with room, pays no delay.
+    """
+    return defer_s if cache_full and not won_here else 0.0
 
 
 class ChunkPeers:
@@ -169,6 +182,11 @@ class ChunkPeers:
         if chunk_id in self.own:
             out.add(self.name)
         return frozenset(out)
+
+    def held_elsewhere(self, chunk_ids: Iterable[str]) -> frozenset[str]:
+        """Those of ``chunk_ids`` that another alive member holds too (for this node's
+        caches: they evict those first)."""
+        return frozenset(c for c in chunk_ids if self.holders(c) - {self.name})
 
     def peer_holders(self, chunk_id: str) -> list[str]:
         """Alive peers (not this node) holding ``chunk_id``, in the order to ask them."""

@@ -14,7 +14,12 @@ module feeds it and carries out what it says:
   passes the first one's pieces on as they arrive (a peer that fails half-way ends the
   mount's call with an error, and the mount reads the range from the store); no
   holder known means a cold run, and only one node fetches a cold run from the store
-  (:meth:`_race`): the others wait for it (bounded) and read it from that node.
+  (:meth:`_race`): the others wait for it (bounded) and read it from that node. A
+  mount whose cache is full of chunks it may hold alone says so, and this node then
+  races a moment late (``race_delay``), so that a node with room wins and keeps it.
+* **Keep.** After each scan, the chunks this node holds that another alive node holds
+  too go into a file beside each cache (``holdings.write_elsewhere``); the mounts
+  evict those first (:meth:`publish_elsewhere`).
 
 Bytes from a peer are never trusted here: the mount verifies every block and fetches
 the wrong ones from the store. Owned by the agent's event loop.
@@ -25,14 +30,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
-from hypermesh.agent.chunk_peers import ChunkPeers
-from hypermesh.agent.share_config import ShareConfig
-from hypermesh.chunkfs.holdings import read_range
+from hypermesh.agent.chunk_peers import ChunkPeers, race_delay
+from hypermesh.agent.share_config import ShareConfig, transfer_deadline
+from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_range, write_elsewhere
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.errors import HypermeshError
@@ -46,6 +53,9 @@ PIECE = 1 << 20  # bytes per streamed message
 MAX_RANGE = 256 << 20  # the most one ReadChunk may ask for
 LEASE_REUSE_S = 1.0  # a fetch lease names keys for at most this long after its grant
 WON_MAX = 4096  # segments won remembered before expired ones are dropped
+SERVE_PAUSE_ENV = "HYPERMESH_TEST_SERVE_PAUSE_S"
+"""Tests only: seconds ``ReadChunk`` pauses after each piece it streams, so that a test
+can kill the serving agent half-way through a transfer."""
 
 
 ReadCall: TypeAlias = "grpc.aio.UnaryStreamCall[agent_pb2.ReadChunkRequest, agent_pb2.ChunkBytes]"
@@ -64,13 +74,16 @@ class ChunkShare:
         self.peers = ChunkPeers(agent.cfg.name, cfg.max_delta_bytes)
         self.counters: dict[str, int] = dict.fromkeys(
             ("served", "served_bytes", "peer_fetches", "peer_bytes", "peer_misses",
-             "cold_won", "cold_waited", "cold_from_winner", "snapshots"), 0)
+             "cold_won", "cold_waited", "cold_from_winner", "cold_deferred", "peer_lost",
+             "snapshots"), 0)
         self._snapshots: dict[str, asyncio.Task[None]] = {}
         self._snapshot_at: dict[str, float] = {}
         self._lease = (0, -math.inf)  # (fetch lease id, monotonic time of its grant)
         self._lease_lock = asyncio.Lock()
         self._ticked_at = -math.inf
         self._won: dict[tuple[str, int], float] = {}  # (chunk, segment) -> held until
+        self._elsewhere: frozenset[str] | None = None  # what publish_elsewhere last wrote
+        self.serve_pause_s = float(os.environ.get(SERVE_PAUSE_ENV) or 0)
 
     # ------------------------------------------------------------ advertising
     def scanned(self, held: Iterable[str]) -> None:
@@ -79,6 +92,25 @@ class ChunkShare:
         if delta is not None:
             log.debug("chunk summary v%d: +%d -%d", delta.version, len(delta.added),
                       len(delta.removed))
+
+    async def publish_elsewhere(
+        self, held: Iterable[str], roots: Callable[[], list[Path]]
+    ) -> None:
+        """Tell this node's mounts (a file beside each cache ``roots()`` lists) which of the
+        chunks ``held`` another alive node holds too, when that changed since the last
+        call (or a cache has no such file yet). As fresh as the view: a peer's change
+        shows here a scan and a gossip round after it, and in the mount's cache up to
+        ``HAVE_FLUSH_INTERVAL`` later."""
+        ids = self.peers.held_elsewhere(held)
+        changed = ids != self._elsewhere
+
+        def write() -> None:
+            for root in roots():
+                if changed or not (root.parent / ELSEWHERE_FILE).exists():
+                    write_elsewhere(root, ids)
+
+        await asyncio.to_thread(write)
+        self._elsewhere = ids
 
     def member_state(self, member: str, state: str) -> None:
         """A member's gossip state changed. One that (re)appears is looked at at once:
@@ -169,11 +201,14 @@ class ChunkShare:
         return data
 
     # ------------------------------------------------------------ fetching
-    async def fetch(self, chunk: str, offset: int, length: int) -> AsyncIterator[bytes]:
+    async def fetch(
+        self, chunk: str, offset: int, length: int, cache_full: bool = False
+    ) -> AsyncIterator[bytes]:
         """The range from a peer, as the peer's pieces in order (forwarded as they
         arrive); no pieces at all means: read it from the store. Raises
         :class:`PeerLost` when a peer fails after its first piece was passed on (the
-        caller must end its answer with an error, never a short one)."""
+        caller must end its answer with an error, never a short one). ``cache_full``:
+        the asking mount has no room for the range (see :func:`race_delay`)."""
         holders = self.peers.peer_holders(chunk)
         for member in holders[: self.cfg.peer_tries]:
             opened = await self._open(member, chunk, offset, length, self.cfg.peer_timeout_s)
@@ -187,37 +222,49 @@ class ChunkShare:
             # fetching the chunk's other blocks right now): race for the segment like
             # a cold miss, so that only one node reads it from the store.
             self.counters["peer_misses"] += 1
-        winner = await self._race(chunk, offset) if self.cfg.dedup_wait_s > 0 else None
+        winner = None
+        if self.cfg.dedup_wait_s > 0:
+            winner = await self._race(chunk, offset, cache_full)
         if winner is None or winner == self.agent.cfg.name:
             self.counters["cold_won"] += 1
             return
-        # Cold, and another node fetches it from the store: wait (bounded) until it has it.
+        # Cold, and another node fetches it from the store: wait (bounded) until it
+        # has it — or until another node that holds it shows up (one that read it from
+        # the winner, when the winner has let it go since).
         self.counters["cold_waited"] += 1
         deadline = time.monotonic() + self.cfg.dedup_wait_s
         while (left := deadline - time.monotonic()) > 0:
             timeout = min(self.cfg.peer_timeout_s, left)
-            opened = await self._open(winner, chunk, offset, length, timeout)
-            if opened is not None:
-                async for piece in self._forward(winner, length, *opened):
-                    yield piece
-                self.counters["cold_from_winner"] += 1
-                return
+            others = [m for m in self.peers.peer_holders(chunk) if m != winner]
+            for member in [winner, *others[: self.cfg.peer_tries - 1]]:
+                opened = await self._open(member, chunk, offset, length, timeout)
+                if opened is not None:
+                    async for piece in self._forward(member, length, *opened):
+                        yield piece
+                    self.counters["cold_from_winner" if member == winner else "peer_fetches"] += 1
+                    return
             if self._address(winner) is None:
                 return  # the winner is gone
             await asyncio.sleep(min(self.cfg.dedup_poll_s, max(0.0, left)))
 
-    async def _race(self, chunk: str, offset: int) -> str | None:
+    async def _race(self, chunk: str, offset: int, cache_full: bool) -> str | None:
         """Who fetches the cold segment of ``chunk`` at ``offset`` from the store: this
         node's name when it won, the winner's, or None when etcd does not answer (then
         everyone reads it). Nodes race per segment (``dedup_segment_bytes``), not per
         run: readers split a chunk into runs at different places, and a winner reading
-        on sequentially covers the others' runs of its segment."""
+        on sequentially covers the others' runs of its segment. A node without room in
+        its cache races ``full_defer_s`` late."""
         a = self.agent
         segment = self.cfg.dedup_segment_bytes
         start = offset // segment * segment
-        now = time.monotonic()
-        if self._won.get((chunk, start), -math.inf) > now:
+        won_here = self._won.get((chunk, start), -math.inf) > time.monotonic()
+        if won_here:
             return a.cfg.name  # this node won it a moment ago: its key still stands
+        delay = race_delay(cache_full, won_here, self.cfg.full_defer_s)
+        if delay > 0:
+            self.counters["cold_deferred"] += 1
+            await asyncio.sleep(delay)
+        now = time.monotonic()
         key = a.ks.fetching(chunk, start, segment)
         me = a.cfg.name.encode()
         try:
@@ -253,14 +300,17 @@ class ChunkShare:
     async def _open(
         self, member: str, chunk: str, offset: int, length: int, timeout: float
     ) -> tuple[ReadCall, bytes] | None:
-        """A ``ReadChunk`` call to ``member`` that has sent its first piece (the call's
-        deadline, ``timeout``, bounds the whole transfer), or None: not held there,
-        gone, or too slow to start."""
+        """A ``ReadChunk`` call to ``member`` that has sent its first piece within
+        ``timeout``, or None: not held there, gone, or too slow to start. Each later
+        piece must follow within ``peer_timeout_s`` (see :meth:`_forward`), and the
+        whole transfer within :func:`transfer_deadline`."""
         address = self._address(member)
         if address is None:
             return None
         request = agent_pb2.ReadChunkRequest(chunk=chunk, offset=offset, length=length)
-        call: ReadCall = self._stub(address).ReadChunk(request, timeout=timeout)
+        call: ReadCall = self._stub(address).ReadChunk(
+            request, timeout=transfer_deadline(timeout, length)
+        )
         try:
             async with asyncio.timeout(timeout):
                 first = await call.read()
@@ -278,7 +328,8 @@ class ChunkShare:
         self, member: str, length: int, call: ReadCall, first: bytes
     ) -> AsyncIterator[bytes]:
         """``first`` and the rest of an opened call's pieces; :class:`PeerLost` if it
-        fails or sends other than ``length`` bytes in all."""
+        fails, stalls for ``peer_timeout_s`` between two pieces, or sends other than
+        ``length`` bytes in all."""
         sent = 0
         try:
             piece = first
@@ -288,12 +339,15 @@ class ChunkShare:
                     raise PeerLost(f"{member} sent more than the {length} bytes asked for")
                 self.counters["peer_bytes"] += len(piece)
                 yield piece
-                message = await call.read()
+                async with asyncio.timeout(self.cfg.peer_timeout_s):
+                    message = await call.read()
                 if not isinstance(message, agent_pb2.ChunkBytes):  # the end of the stream
                     break
                 piece = message.data
-        except grpc.aio.AioRpcError as exc:
-            raise PeerLost(f"{member} failed after {sent} bytes: {exc.code()}") from exc
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            self.counters["peer_lost"] += 1
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else "stalled"
+            raise PeerLost(f"{member} failed after {sent} bytes: {code}") from exc
         finally:
             call.cancel()
         if sent != length:
@@ -317,9 +371,12 @@ class ChunkShare:
         self._snapshots.clear()
 
 
-async def stream_pieces(data: bytes) -> AsyncIterator[agent_pb2.ChunkBytes]:
-    """``data`` as ``ChunkBytes`` messages of at most ``PIECE`` bytes."""
+async def stream_pieces(
+    data: bytes, pause_s: float = 0.0
+) -> AsyncIterator[agent_pb2.ChunkBytes]:
+    """``data`` as ``ChunkBytes`` messages of at most ``PIECE`` bytes, ``pause_s``
+    apart (0 but in tests: see :data:`SERVE_PAUSE_ENV`)."""
     view = memoryview(data)
     for start in range(0, len(view), PIECE):
         yield agent_pb2.ChunkBytes(data=bytes(view[start : start + PIECE]))
-        await asyncio.sleep(0)
+        await asyncio.sleep(pause_s)

@@ -217,6 +217,7 @@ class Gossip:
                 self._reads = {s: sum(c.reads.get(s, 0) for c in caches) for s in SOURCES}
                 self.caches = caches
                 self.agent.share.scanned(held)
+                await self.agent.share.publish_elsewhere(held, mounts.cache_roots)
             except Exception:  # a bad cache directory must not stop gossip
                 log.exception("counting the chunk caches failed")
             finally:

@@ -147,7 +147,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                 f"bytes {request.offset}+{request.length}",
             )
             return
-        async for piece in stream_pieces(data):
+        async for piece in stream_pieces(data, self.agent.share.serve_pause_s):
             yield piece
 
     async def ChunkSet(
@@ -162,7 +162,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need a chunk and a range")
         try:
             async for piece in self.agent.share.fetch(
-                request.chunk, request.offset, request.length
+                request.chunk, request.offset, request.length, request.cache_full
             ):
                 yield agent_pb2.ChunkBytes(data=piece)
         except PeerLost as exc:

@@ -11,6 +11,17 @@ from typing import Any
 
 from hypermesh.agent.gossip_config import _check_range
 
+MIN_PEER_RATE = 4 << 20
+"""Bytes per second a peer's transfer must average at least (see :func:`transfer_deadline`)."""
+
+
+def transfer_deadline(first_piece_s: float, length: int) -> float:
+    """The deadline of a whole ``ReadChunk`` transfer of ``length`` bytes whose first
+    piece may take ``first_piece_s``: that plus ``length`` at ``MIN_PEER_RATE``. A
+    busy peer that streams steadily is not cut off half-way (its bytes would then be
+    read from the store a second time); one that stalls is, by the per-piece timeout."""
+    return first_piece_s + length / MIN_PEER_RATE
+
 
 @dataclass(frozen=True)
 class ShareConfig:
@@ -42,6 +53,13 @@ class ShareConfig:
     keys, but a loser may wait for bytes the winner never reads (at most
     ``dedup_wait_s``)."""
 
+    full_defer_s: float = 0.5
+    """A cold segment: how long a node whose cache is full of chunks it may hold alone
+    waits before it races for the segment, so that a node with room missing it at about
+    the same time fetches it (and keeps it) instead. Only nodes in that state wait.
+    Longer: more skew between readers is covered, at this cost per cold segment on a
+    full node that reads alone. 0: race at once."""
+
     dedup_poll_s: float = 0.25
     """Seconds between two asks of the winner while waiting for it."""
 
@@ -59,6 +77,7 @@ class ShareConfig:
         _check_range("dedup_wait_s", self.dedup_wait_s, 0, 600)
         _check_range("dedup_segment_bytes", self.dedup_segment_bytes, 1 << 20, 1 << 34,
                      integer=True)
+        _check_range("full_defer_s", self.full_defer_s, 0, 60)
         _check_range("dedup_poll_s", self.dedup_poll_s, 0.01, 10)
         _check_range("snapshot_retry_s", self.snapshot_retry_s, 0.05, 600)
         _check_range("max_delta_bytes", self.max_delta_bytes, 0, 1 << 16, integer=True)
@@ -67,8 +86,8 @@ class ShareConfig:
     def mount_timeout_s(self) -> float:
         """How long a mount waits for its agent's answer to one fetch: every holder
         tried, or a full dedup wait and one more peer call, plus a margin."""
-        return max(self.peer_tries * self.peer_timeout_s, self.dedup_wait_s
-                   + self.peer_timeout_s) + 2.0
+        return max(self.peer_tries * self.peer_timeout_s, self.full_defer_s
+                   + self.dedup_wait_s + self.peer_timeout_s) + 2.0
 
     @classmethod
     def lan(cls, **overrides: Any) -> ShareConfig:

@@ -5,11 +5,16 @@ the mount asks it (``FetchFromPeers``) before the object store for every run it
 fetches, and gets the bytes or nothing. Nothing, an error or a short answer all mean
 the same to the reader: the store. The bytes are verified by the reader, as every
 source's are; this module only moves them.
+
+Each request says whether the mount's cache has room for the range without evicting a
+chunk the mesh may hold only here (``room``, the cache's ``has_room``): of the nodes
+that miss a cold run together, the agent lets one with room fetch it from the store.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -33,9 +38,15 @@ class AgentPeerFetch:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address)
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
+        self.room: Callable[[str, int], bool] | None = None
+        """``room(chunk_id, length)``: whether the cache takes ``length`` more bytes of
+        the chunk without evicting a chunk only this node may hold (None: always)."""
 
     def __call__(self, chunk_id: str, offset: int, length: int) -> bytes | None:
-        request = agent_pb2.ReadChunkRequest(chunk=chunk_id, offset=offset, length=length)
+        full = self.room is not None and not self.room(chunk_id, length)
+        request = agent_pb2.ReadChunkRequest(
+            chunk=chunk_id, offset=offset, length=length, cache_full=full
+        )
         try:
             pieces = [p.data for p in self._stub.FetchFromPeers(request, timeout=self.timeout_s)]
         except grpc.RpcError as exc:

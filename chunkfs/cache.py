@@ -16,7 +16,9 @@ What the cache guarantees
   A chunk whose ``.blocks`` file does not hash to its id is discarded on start.
 - The bytes of present blocks never exceed ``max_bytes``: a block that does not fit
   after evicting every unpinned chunk is not stored (``put_block`` returns False; the
-  caller still has the bytes). Eviction is least-recently-used and of whole chunks.
+  caller still has the bytes). Eviction is of whole chunks, in the order of
+  :func:`keep_rank` (spare copies first, chunks the mesh may hold only here last) and
+  least-recently-used within each rank.
 - A pinned chunk (``with cache.pin(id):``) is never evicted, so ``read`` of blocks a
   reader saw ``ready`` cannot race an eviction.
 - ``on_change(id, True)`` is called when a chunk gains its first block (also for each
@@ -65,6 +67,33 @@ MAX_RECORDS = 8192
 
 ChangeCallback = Callable[[str, bool], None]
 
+SPARE, UNSURE, SOLE = 0, 1, 2
+"""Ranks of a cached chunk for eviction (lowest evicted first); see :func:`keep_rank`."""
+RANK_NAMES = ("spare", "unsure", "sole")
+
+
+def keep_rank(copy: bool, elsewhere: bool, was_elsewhere: bool) -> int:
+    """How much the mesh needs this node's copy of a chunk: evicted lowest rank first.
+
+    - ``copy``: every block of it here came from a peer (not from the store);
+    - ``elsewhere``: the node's agent said, last time it was asked, that another alive
+      node holds the chunk too; ``was_elsewhere``: it said so at some time before.
+
+    A chunk this node fetched from the store is ``SOLE`` whoever else holds it: the
+    node that fetched a chunk keeps it, the nodes that copied it from there hold spares.
+    (Ranking own chunks that others copied lower, too, made holder and copier pick the
+    same chunks to drop, and lose them together while the view lagged.) A copy another
+    node is known to hold is ``SPARE``; a copy nobody is known to hold yet is
+    ``UNSURE`` (its source most likely still has it: the agent's view lags a few
+    seconds); one whose other holders have all gone since (evicted it, or died) is
+    ``SOLE``: it may be the last one.
+    """
+    if not copy:
+        return SOLE
+    if elsewhere:
+        return SPARE
+    return SOLE if was_elsewhere else UNSURE
+
 
 def block_span(index: int, size: int) -> tuple[int, int]:
     """``(offset, length)`` of block ``index`` in a chunk of ``size`` bytes."""
@@ -103,6 +132,8 @@ class ReadStats:
             "push_dropped": 0,
             "push_errors": 0,
             "push_skipped": 0,
+            "evicted_chunks": 0,
+            "evicted_sole": 0,
         }
 
     def served(self, source: str, blocks: int, nbytes: int) -> None:
@@ -132,6 +163,13 @@ class _Chunk:
     dirty: bool = False
     fd: int | None = None
     writing: set[int] = field(default_factory=set)
+    copy: bool = False  # every block held came from a peer (False after a restart)
+    elsewhere: bool = False  # another node holds it too, as the agent said last
+    was_elsewhere: bool = False
+
+    @property
+    def rank(self) -> int:
+        return keep_rank(self.copy, self.elsewhere, self.was_elsewhere)
 
     @property
     def nblocks(self) -> int:
@@ -154,6 +192,7 @@ class ChunkCache:
         self._flush_lock = threading.Lock()
         self._chunks: OrderedDict[str, _Chunk] = OrderedDict()  # LRU order, oldest first
         self._bytes = 0
+        self._elsewhere: frozenset[str] = frozenset()
         self._open_fds = 0
         self._last_flush = time.monotonic()
         (self.root / "v1").mkdir(parents=True, exist_ok=True)
@@ -173,6 +212,40 @@ class ChunkCache:
         """Chunks holding at least one block, least recently used first."""
         with self._lock:
             return [c.id for c in self._chunks.values() if c.present_bytes]
+
+    def has_room(self, cid: str, length: int) -> bool:
+        """Whether ``length`` more bytes of chunk ``cid`` fit without evicting a chunk
+        of rank ``SOLE`` (free space and copies of chunks from peers count as room).
+        A hint for the cold-segment race: a node without room lets one with room fetch."""
+        with self._lock:
+            free = self.max_bytes - self._bytes
+            for rec in self._chunks.values():
+                if free >= length:
+                    break
+                if rec.id != cid and rec.rank < SOLE and not rec.pins:
+                    free += rec.present_bytes
+            return free >= length
+
+    def set_elsewhere(self, chunk_ids: frozenset[str]) -> None:
+        """The chunks another alive node holds too, as the agent sees them now (ids of
+        chunks not cached here are ignored). Replaces the previous set."""
+        with self._lock:
+            self._elsewhere = chunk_ids
+            for rec in self._chunks.values():
+                rec.elsewhere = rec.id in chunk_ids
+                rec.was_elsewhere = rec.was_elsewhere or rec.elsewhere
+
+    def ranks(self) -> dict[str, int]:
+        """Each chunk holding blocks and its :func:`keep_rank` (for tests and tools)."""
+        with self._lock:
+            return {c.id: c.rank for c in self._chunks.values() if c.present_bytes}
+
+    def rank_counts(self) -> dict[str, int]:
+        """How many cached chunks have each rank, by name (``RANK_NAMES``)."""
+        counts = dict.fromkeys(RANK_NAMES, 0)
+        for rank in self.ranks().values():
+            counts[RANK_NAMES[rank]] += 1
+        return counts
 
     def block_list(self, cid: str) -> bytes | None:
         with self._lock:
@@ -247,7 +320,9 @@ class ChunkCache:
         with self._lock:
             if cid in self._chunks:
                 return
-            self._chunks[cid] = _Chunk(cid, size, block_list, bytearray(block_count(size)))
+            rec = _Chunk(cid, size, block_list, bytearray(block_count(size)))
+            rec.elsewhere = rec.was_elsewhere = cid in self._elsewhere
+            self._chunks[cid] = rec
             if len(self._chunks) > MAX_RECORDS:
                 for rec in list(self._chunks.values())[: len(self._chunks) - MAX_RECORDS]:
                     if not rec.present_bytes and not rec.pins and not rec.writing:
@@ -273,13 +348,16 @@ class ChunkCache:
                     rec.pins -= 1
 
     def put_block(
-        self, cid: str, index: int, data: bytes | memoryview, evict: bool = True
+        self, cid: str, index: int, data: bytes | memoryview, from_peer: bool = False
     ) -> bool:
         """Store block ``index`` (already verified by the caller). False: not stored.
 
         Not stored means the chunk was never admitted, or the block does not fit even
-        after evicting every unpinned chunk — or, with ``evict`` False, does not fit in
-        the free space (bytes a peer holds too never push out what only this node has).
+        after evicting every unpinned chunk — or, ``from_peer`` (a peer served it), does
+        not fit in the free space: bytes a peer holds too never push out what this node
+        holds (evicting even a spare copy for them, while the view of who holds what
+        lags, was seen to lose chunks). A chunk whose blocks all came from peers is a
+        copy (see :func:`keep_rank`).
         """
         entered = False
         evicted: list[str] = []
@@ -290,11 +368,12 @@ class ChunkCache:
             start, length = block_span(index, rec.size)
             if len(data) != length:
                 raise ValueError(f"block {index} of {cid}: {len(data)} bytes, expected {length}")
-            evicted = self._evict_for(length, keep=cid) if evict else []
+            evicted = [] if from_peer else self._evict_for(length, keep=cid)
             if self._bytes + length > self.max_bytes:
                 self._notify_left(evicted)
                 return False
             self._bytes += length  # reserved now so that concurrent puts respect the bound
+            rec.copy = from_peer and (rec.copy or not rec.present_bytes)
             rec.present_bytes += length
             rec.writing.add(index)
             rec.pins += 1
@@ -386,17 +465,25 @@ class ChunkCache:
         return os.pread(self._fd(rec), length, offset)
 
     def _evict_for(self, length: int, keep: str) -> list[str]:
-        """Evict LRU unpinned chunks until ``length`` more bytes fit. Lock held."""
+        """Evict unpinned chunks, lowest rank first and least recently used within a
+        rank, until ``length`` more bytes fit. Lock held."""
         evicted: list[str] = []
         if self._bytes + length <= self.max_bytes:
             return evicted
-        for rec in list(self._chunks.values()):
+        candidates = [
+            rec for rec in self._chunks.values()
+            if not (rec.pins or rec.writing or rec.id == keep or not rec.present_bytes)
+        ]
+        for rec in sorted(candidates, key=lambda r: r.rank):  # stable: LRU within a rank
             if self._bytes + length <= self.max_bytes:
                 break
-            if rec.pins or rec.writing or rec.id == keep or not rec.present_bytes:
-                continue
+            rank = rec.rank
+            log.debug("cache: evicting chunk %s (rank %d)", rec.id, rank)
             if self._drop(rec):
                 evicted.append(rec.id)
+                self.stats.add("evicted_chunks")
+                if rank == SOLE:
+                    self.stats.add("evicted_sole")
         return evicted
 
     def _drop(self, rec: _Chunk) -> bool:

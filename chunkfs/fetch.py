@@ -310,7 +310,7 @@ class ChunkReader:
                 # A block a peer served is cached only into free space: the peer keeps
                 # its copy, and evicting what this node fetched from the store for it
                 # would leave the mesh holding fewer distinct chunks.
-                self.cache.put_block(chunk.id, i, result[0], evict=result[1] != "peer")
+                self.cache.put_block(chunk.id, i, result[0], from_peer=result[1] == "peer")
         except Exception:
             log.exception("caching chunk %s blocks %s failed", chunk.id, run)
         finally:

@@ -29,6 +29,13 @@ its ``.have`` records."""
 
 SOURCES = ("cache", "peer", "store")
 
+ELSEWHERE_FILE = "elsewhere"
+"""Beside a mount's ``chunks`` cache root: the chunks this node holds that another alive
+node holds too, as the agent's gossip view says (one id a line), written by the agent
+after its cache scans when the set changed and read by the mount every couple of
+seconds: its cache evicts those first (``cache.keep_rank``). Only a hint: a missing or
+stale file costs store reads, never correctness."""
+
 
 @dataclass(frozen=True)
 class Holding:
@@ -125,6 +132,24 @@ def read_reads(cache_roots: Iterable[Path]) -> dict[str, int]:
                 if isinstance(value, int) and value >= 0:
                     total[s] += value
     return total
+
+
+def write_elsewhere(cache_root: Path, chunk_ids: Iterable[str]) -> None:
+    """Record the chunks another node holds too, for the mount of this cache
+    (atomically: the mount reads all of a set or none)."""
+    path = cache_root.parent / ELSEWHERE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{c}\n" for c in sorted(chunk_ids)))
+    os.replace(tmp, path)
+
+
+def read_elsewhere(cache_root: Path) -> frozenset[str] | None:
+    """What :func:`write_elsewhere` last recorded for this cache; None when nothing."""
+    try:
+        text = (cache_root.parent / ELSEWHERE_FILE).read_text()
+    except OSError:
+        return None
+    return frozenset(line for line in text.split() if line)
 
 
 def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> bytes | None:

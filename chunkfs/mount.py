@@ -52,7 +52,7 @@ from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
-from hypermesh.chunkfs.holdings import write_reads
+from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_elsewhere, write_reads
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
@@ -143,6 +143,8 @@ def serve(
         root, lambda key: retry_transient(lambda: store.get(key), fetch.deadline_s)
     )
     cache = ChunkCache(cache_dir / "chunks", cache_size)
+    if isinstance(peer_fetch, AgentPeerFetch):
+        peer_fetch.room = cache.has_room  # the agent lets a node with room fetch cold runs
     reader = ChunkReader(store, cache, fetch, peer_fetch)
     staging = cache_dir / "staging"
     shutil.rmtree(staging, ignore_errors=True)
@@ -159,6 +161,7 @@ def serve(
                 "bytes": cache.used_bytes,
                 "max_bytes": cache.max_bytes,
                 "chunks": len(cache.chunk_ids()),
+                "ranks": cache.rank_counts(),
             },
             "outputs": {"uploads": outputs.uploads, "upload_bytes": outputs.upload_bytes},
             "manifest_pages_loaded": manifest.pages_loaded,
@@ -199,12 +202,16 @@ def serve(
 async def _flush_records(cache: ChunkCache) -> None:
     """Write changed ``.have`` records every ``HAVE_FLUSH_INTERVAL`` even when no more
     blocks arrive, so the agent's view of this cache (``chunkfs.holdings``) catches up;
-    and the blocks served by source (``holdings.READS_FILE``), for the agent's hit rates."""
+    and the blocks served by source (``holdings.READS_FILE``), for the agent's hit rates.
+    Read back what the agent recorded of the chunks other nodes hold too
+    (``holdings.ELSEWHERE_FILE``), for the cache's eviction order."""
     written: dict[str, int] | None = None
+    seen: float | None = None
     while True:
         await asyncio.sleep(HAVE_FLUSH_INTERVAL)
         if cache.dirty():
             await asyncio.to_thread(cache.flush)
+        seen = await asyncio.to_thread(_load_elsewhere, cache, seen)
         snap = cache.stats.snapshot()["blocks"]
         blocks = dict(snap) if isinstance(snap, dict) else {}
         if blocks != written:
@@ -213,6 +220,20 @@ async def _flush_records(cache: ChunkCache) -> None:
                 written = blocks
             except OSError as exc:
                 log.warning("could not record the reads by source: %s", exc)
+
+
+def _load_elsewhere(cache: ChunkCache, seen: float | None) -> float | None:
+    """Hand the cache the agent's latest "held elsewhere" record if it changed since
+    ``seen`` (its modification time); returns the time of the record loaded."""
+    try:
+        mtime = (cache.root.parent / ELSEWHERE_FILE).stat().st_mtime
+    except OSError:
+        return seen
+    if mtime != seen:
+        ids = read_elsewhere(cache.root)
+        if ids is not None:
+            cache.set_elsewhere(ids)
+    return mtime
 
 
 async def _main(

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypermesh.agent.chunk_peers import ChunkPeers, holder_order
-from hypermesh.agent.share_config import ShareConfig
+from hypermesh.agent.chunk_peers import ChunkPeers, holder_order, race_delay
+from hypermesh.agent.share_config import MIN_PEER_RATE, ShareConfig, transfer_deadline
 
 from hypermesh.node_rows import hit_rates
 
@@ -136,3 +136,38 @@ def test_hit_rates_are_shares_of_blocks_by_source() -> None:
                                                              "store": 0.1}
     assert hit_rates({"cache": 0, "peer": 0, "store": 0}) is None  # nothing read yet
     assert hit_rates(None) is None and hit_rates({"cache": -1, "peer": 0, "store": 1}) is None
+
+
+@pytest.mark.parametrize(
+    ("cache_full", "won_here", "delay"),
+    [(False, False, 0.0), (True, False, 0.5), (True, True, 0.0), (False, True, 0.0)],
+)
+def test_only_a_node_without_room_races_late(
+    cache_full: bool, won_here: bool, delay: float
+) -> None:
+    assert race_delay(cache_full, won_here, 0.5) == delay
+    assert race_delay(cache_full, won_here, 0.0) == 0.0  # switched off
+
+
+def test_held_elsewhere_names_chunks_another_alive_node_holds() -> None:
+    a, b, c = ChunkPeers("a"), ChunkPeers("b"), ChunkPeers("c")
+    alive(a, b, c)
+    x, y, z = ids("x", "y", "z")
+    a.update_own([x, y, z])
+    b.update_own([x])
+    c.update_own([y])
+    gossip(b, a)
+    gossip(c, a)
+    assert a.held_elsewhere([x, y, z]) == {x, y}
+    a.member_state("c", "dead")  # a dead node's chunks count for nothing
+    assert a.held_elsewhere([x, y, z]) == {x}
+
+
+@pytest.mark.parametrize(
+    ("first", "length", "deadline"),
+    [(1.0, 0, 1.0), (1.0, 16 << 20, 1.0 + (16 << 20) / MIN_PEER_RATE), (0.5, MIN_PEER_RATE, 1.5)],
+)
+def test_a_transfer_may_take_its_first_piece_time_plus_its_length_at_the_least_rate(
+    first: float, length: int, deadline: float
+) -> None:
+    assert transfer_deadline(first, length) == pytest.approx(deadline)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypermesh.agent.chunk_share import SERVE_PAUSE_ENV
 from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.format import ChunkInfo, chunk_key
 from hypermesh.chunkfs.mount import MountProcess
@@ -160,6 +161,28 @@ def test_a_chunk_cached_on_one_node_is_read_on_another_without_a_store_get(
     assert "HITS C/P/S %" in pair.mesh.hm("nodes", check=True).stdout
 
 
+def test_a_node_learns_which_of_its_chunks_another_node_holds_and_ranks_them(
+    pair: Pair,
+) -> None:
+    """a fetched the chunk from the store, b copied it from a: through gossip and the
+    agents' records, b's mount ranks its copy spare (a keeps it: sole there)."""
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+
+    def ranks(node: Node) -> dict[str, int]:
+        return {k: v for k, v in node.mount.stats()["cache"]["ranks"].items() if v}
+
+    assert a.read("a.bin") == pair.data["a.bin"]
+    assert ranks(a) == {"sole": 1}
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    assert b.read("a.bin") == pair.data["a.bin"] and b.blocks("peer") == 3
+    assert ranks(b) in ({"unsure": 1}, {"spare": 1})
+    wait_for(lambda: ranks(b) == {"spare": 1}, 20, "b's copy to rank spare")
+    assert first.id in (b.mount.cache_dir / "elsewhere").read_text().split()
+    wait_for(lambda: first.id in (a.mount.cache_dir / "elsewhere").read_text().split(), 20,
+             "a to learn that b holds it too")
+    assert ranks(a) == {"sole": 1}  # the node that fetched it keeps it
+
+
 def test_a_peer_serving_corrupt_bytes_is_bypassed(pair: Pair) -> None:
     a, b, first = pair.a, pair.b, pair.chunks[0]
     assert a.read("a.bin") == pair.data["a.bin"]
@@ -194,6 +217,38 @@ def test_a_frozen_then_killed_peer_costs_the_reader_only_time(pair: Pair) -> Non
     assert b.read("c.bin") == pair.data["c.bin"]
     assert b.gets(pair.chunks[0]) == 0
     assert b.gets(pair.chunks[1]) >= 1 and b.gets(pair.chunks[2]) >= 1
+
+
+def test_a_peer_killed_half_way_through_a_transfer_costs_the_reader_only_time(
+    pair: Pair,
+) -> None:
+    """a streams a range to b slowly (a test-only pause between pieces); a is SIGKILLed
+    once it has started to serve it, and b's read still returns the right bytes."""
+    a, b, first = pair.a, pair.b, pair.chunks[0]
+    a.agent.kill()
+    a.agent.env = dict(os.environ, **{SERVE_PAUSE_ENV: "0.3"})  # 3 pieces: 0.6 s or more
+    try:
+        a.agent.start()
+    finally:
+        a.agent.env = None  # the next test starts it as usual
+    assert a.read("a.bin") == pair.data["a.bin"]  # into a's cache (from the store)
+    wait_for(lambda: "a" in holders(b, first), 20, "b to learn that a holds the chunk")
+    before = locate(b, first).counters
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(b.read("a.bin")))
+    reader.start()
+    try:
+        wait_for(lambda: locate(b, first).counters["peer_bytes"] > before["peer_bytes"], 20,
+                 "a's first piece to reach b", interval=0.01)
+        a.agent.kill()
+    finally:
+        reader.join(60)
+    assert got == [pair.data["a.bin"]]
+    # the transfer broke off half-way, and b read the range from the store instead
+    after = locate(b, first).counters
+    assert after["peer_lost"] > before["peer_lost"]
+    assert after["peer_bytes"] - before["peer_bytes"] < 3 * MiB
+    assert b.blocks("peer") == 0 and b.blocks("store") == 3 and b.gets(first) >= 1
 
 
 def test_two_nodes_missing_a_chunk_together_fetch_it_from_the_store_once(pair: Pair) -> None:

@@ -7,7 +7,14 @@ import random
 from pathlib import Path
 
 import pytest
-from hypermesh.chunkfs.cache import ChunkCache, block_span
+from hypermesh.chunkfs.cache import (
+    SOLE,
+    SPARE,
+    UNSURE,
+    ChunkCache,
+    block_span,
+    keep_rank,
+)
 from hypermesh.chunkfs.format import (
     BLAKE3,
     BLOCK_SIZE,
@@ -188,12 +195,87 @@ def test_restart_with_a_smaller_bound_evicts_the_oldest(tmp_path: Path) -> None:
 
 
 def test_a_block_that_must_not_evict_is_stored_only_into_free_space(tmp_path: Path) -> None:
-    """Blocks a peer served (``evict=False``) never push out what the cache holds."""
+    """Blocks a peer served (``from_peer=True``) never push out what the cache holds."""
     cache = ChunkCache(tmp_path, 2 * MiB)
     own, peer = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2)
     fill(cache, own)
     cache.admit(peer.id, peer.size, peer.block_list)
-    assert not cache.put_block(peer.id, 0, peer.block(0), evict=False)
+    assert not cache.put_block(peer.id, 0, peer.block(0), from_peer=True)
     assert cache.present(own.id) == [0, 1] and cache.present(peer.id) == []
     assert cache.put_block(peer.id, 0, peer.block(0))  # an own fetch may evict
     assert cache.present(peer.id) == [0] and cache.used_bytes <= 2 * MiB
+
+
+@pytest.mark.parametrize(
+    ("copy", "elsewhere", "was_elsewhere", "rank"),
+    [
+        (True, True, True, SPARE),  # a copy another node holds too
+        (True, False, False, UNSURE),  # a copy nobody is known to hold yet
+        (True, False, True, SOLE),  # a copy whose other holders have gone
+        (False, True, True, SOLE),  # fetched here from the store: kept, copies or not
+        (False, False, False, SOLE),
+        (False, False, True, SOLE),
+    ],
+)
+def test_keep_rank(copy: bool, elsewhere: bool, was_elsewhere: bool, rank: int) -> None:
+    assert keep_rank(copy, elsewhere, was_elsewhere) == rank
+
+
+def test_eviction_drops_what_other_nodes_hold_before_what_only_this_node_holds(
+    tmp_path: Path,
+) -> None:
+    """Lowest rank first, least recently used within a rank; a store fetch may evict
+    anything, a peer's block only free space."""
+    cache = ChunkCache(tmp_path, 4 * MiB)
+    old_own, own, spare, unsure = (Chunk(MiB, i) for i in range(4))
+    for chunk, from_peer in ((old_own, False), (own, False), (spare, True), (unsure, True)):
+        cache.admit(chunk.id, chunk.size, chunk.block_list)
+        assert cache.put_block(chunk.id, 0, chunk.block(0), from_peer=from_peer)
+    # own is copied elsewhere too, spare is held elsewhere; unknown ids are ignored
+    cache.set_elsewhere(frozenset({own.id, spare.id, "f" * 64}))
+    assert cache.ranks() == {old_own.id: SOLE, own.id: SOLE, spare.id: SPARE,
+                             unsure.id: UNSURE}
+    peer = Chunk(MiB, 9)  # a peer's block never evicts
+    cache.admit(peer.id, peer.size, peer.block_list)
+    assert not cache.put_block(peer.id, 0, peer.block(0), from_peer=True)
+    order: list[str] = []
+    for seed in range(10, 14):
+        fill(cache, Chunk(MiB, seed))
+        left = {old_own.id, own.id, spare.id, unsure.id} - set(cache.chunk_ids())
+        order += sorted(left - set(order))
+    # the copies first although they are the most recently used; then own chunks, LRU
+    assert order == [spare.id, unsure.id, old_own.id, own.id]
+    assert cache.stats.snapshot()["evicted_sole"] == 2
+
+
+def test_a_copy_turns_sole_when_its_other_holders_go_and_a_store_block_makes_it_own(
+    tmp_path: Path,
+) -> None:
+    cache = ChunkCache(tmp_path, 8 * MiB)
+    a, b = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2)
+    for chunk in (a, b):
+        cache.admit(chunk.id, chunk.size, chunk.block_list)
+        assert cache.put_block(chunk.id, 0, chunk.block(0), from_peer=True)
+    cache.set_elsewhere(frozenset({a.id, b.id}))
+    assert cache.ranks() == {a.id: SPARE, b.id: SPARE}
+    cache.set_elsewhere(frozenset({b.id}))  # a's other holders evicted it or died
+    assert cache.ranks()[a.id] == SOLE
+    assert cache.put_block(b.id, 1, b.block(1))  # a block from the store: b is ours now
+    assert cache.ranks()[b.id] == SOLE
+
+
+def test_room_counts_free_space_and_chunks_other_nodes_hold(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path, 4 * MiB)
+    own, copy = Chunk(2 * MiB, 1), Chunk(2 * MiB, 2)
+    fill(cache, own)
+    assert cache.has_room("x" * 64, 2 * MiB) and not cache.has_room("x" * 64, 3 * MiB)
+    cache.admit(copy.id, copy.size, copy.block_list)
+    for i in range(2):
+        assert cache.put_block(copy.id, i, copy.block(i), from_peer=True)
+    assert cache.has_room("x" * 64, 2 * MiB)  # an unsure copy may go
+    cache.set_elsewhere(frozenset())  # nobody else is known to hold either
+    assert cache.has_room("x" * 64, 2 * MiB)
+    cache.set_elsewhere(frozenset({copy.id}))
+    cache.set_elsewhere(frozenset())  # the copy's other holders are gone: it is sole
+    assert not cache.has_room("x" * 64, MiB)
+    assert not cache.has_room(copy.id, MiB)  # a chunk's own bytes are not room for it

@@ -219,14 +219,16 @@ class Telemetry(_message.Message):
     def __init__(self, node: _Optional[str] = ..., period_s: _Optional[float] = ..., nvml: _Optional[bool] = ..., latest: _Optional[_Union[NodeSample, _Mapping]] = ..., history: _Optional[_Iterable[_Union[NodeSample, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[TaskUsage, _Mapping]]] = ..., metrics_address: _Optional[str] = ..., caches: _Optional[_Iterable[_Union[CacheUsage, _Mapping]]] = ...) -> None: ...
 
 class ReadChunkRequest(_message.Message):
-    __slots__ = ("chunk", "offset", "length")
+    __slots__ = ("chunk", "offset", "length", "cache_full")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FULL_FIELD_NUMBER: _ClassVar[int]
     chunk: str
     offset: int
     length: int
-    def __init__(self, chunk: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    cache_full: bool
+    def __init__(self, chunk: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., cache_full: _Optional[bool] = ...) -> None: ...
 
 class ChunkBytes(_message.Message):
     __slots__ = ("data",)
