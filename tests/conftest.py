@@ -23,7 +23,14 @@ import psutil
 import pytest
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.localmesh import AgentProcess, EtcdServer, unmount_under, wait_for
+from hypermesh.localmesh import (
+    AgentProcess,
+    EtcdServer,
+    mesh_agents,
+    stop_all,
+    unmount_under,
+    wait_for,
+)
 from hypermesh.s3server import S3Server
 
 # All tests share one bucket: SeaweedFS gives every bucket its own volumes, so a
@@ -139,6 +146,9 @@ class Mesh:
                     proc.proc.send_signal(signal.SIGTERM)
         for proc in self.agents.values():
             proc.terminate(timeout=20)
+        # Agents no test started by hand: a leader's `local` provisioner may have started
+        # one after a fixture stopped the ones it knew of, while the leader still ran.
+        stop_all(mesh_agents(self.etcd.url, self.namespace), timeout=15)
         unmount_under(self.root)  # whatever a killed agent's mounts left behind
 
     def logs(self) -> str:
