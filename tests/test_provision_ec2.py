@@ -154,6 +154,31 @@ def test_launch_template_request() -> None:
     assert request["SubnetId"] == "subnet-1" and request["SecurityGroupIds"] == ["sg-1", "sg-2"]
 
 
+def test_launch_from_a_launch_template(ec2: Any, moto_endpoint: str) -> None:
+    """A template named by name (not lt-...) really launches on the server: the image and
+    type come from the template, tags and user data from the provisioner, and a spot
+    node is spot."""
+    name = "hm-test-template"
+    ec2.create_launch_template(LaunchTemplateName=name, LaunchTemplateData={
+        "ImageId": image_id(ec2), "InstanceType": "t3.small"})
+    pool = Pool("cloud", kind="ec2", price=1.0, spot_price=0.3, spot=True, max_nodes=1,
+                options={"launch_template": name, "region": REGION, "endpoint": moto_endpoint})
+    prov = Ec2Provisioner(pool, Context("http://127.0.0.1:2379", "ns1", Path("/tmp")),
+                          client=ec2)
+    spec = NodeSpec("cloud-t1", prov.pool, spot=True)
+    request = prov.request(spec)
+    assert request["LaunchTemplate"] == {"LaunchTemplateName": name, "Version": "$Default"}
+    assert "ImageId" not in request and "InstanceType" not in request
+    instance = describe(ec2, prov.launch(spec))
+    assert instance["ImageId"] == image_id(ec2)
+    assert instance["InstanceType"] == "t3.small"
+    assert instance.get("InstanceLifecycle") == "spot"
+    assert tags(instance)[TAG_NODE] == "cloud-t1"
+    attr = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"],
+                                           Attribute="userData")
+    assert "--name cloud-t1" in decode_user_data(attr["UserData"]["Value"])
+
+
 def test_values_in_user_data_are_quoted(ec2: Any, moto_endpoint: str) -> None:
     prov = provisioner(ec2, moto_endpoint, namespace="ns1")
     pool = Pool("cloud", kind="ec2", max_nodes=1, gpu_type="a100; rm -rf /",
