@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import pytest
 from hypermesh.agent.gpus import GpuSample
@@ -18,6 +19,7 @@ from hypermesh.agent.usage import NodeSample, TaskUsage
 from hypermesh.chunkfs.store import S3Store
 from prometheus_client.parser import text_string_to_metric_families
 
+from hypermesh.localmesh import wait_for
 from hypermesh.model import Attempt
 from tests.conftest import Mesh, task_pid
 from tests.test_data_tasks import _dataset  # toy: big.bin (3 MiB) and a small file
@@ -155,6 +157,19 @@ experiments:
     assert served["store"] + served["cache"] > 0
     assert m[("hypermesh_chunkfs_store_bytes_total", (ds,))] >= 3 << 20
     assert m[("hypermesh_chunkfs_cache_bytes", (ds,))] >= 3 << 20
+
+    # Node telemetry from the agent's sampler (the first sample may still be due).
+    def sampled() -> Samples | None:
+        found = parse(scrape(address))
+        return found if ("hypermesh_node_memory_total_bytes", ()) in found else None
+
+    t = cast(Samples, wait_for(sampled, 30, "the first telemetry sample in /metrics",
+                               interval=0.3))
+    total, used = (t[(f"hypermesh_node_memory_{k}_bytes", ())] for k in ("total", "used"))
+    assert total > used > 0
+    assert 0 <= t[("hypermesh_node_cpu_percent", ())] <= 100
+    assert t[("hypermesh_node_agent_rss_bytes", ())] > 10 << 20
+    assert t[("hypermesh_node_nvml", ())] in (0, 1)  # no GPU: 0, and not an error
 
 
 def test_http_edges_and_metrics_off(mesh: Mesh) -> None:
