@@ -363,7 +363,7 @@ class ChunkShare:
         return view.address
 
     def _stub(self, address: str) -> agent_pb2_grpc.AgentStub:
-        return agent_pb2_grpc.AgentStub(self.agent.gossip.channel(address))
+        return agent_pb2_grpc.AgentStub(self.agent.gossip.data_channel(address))
 
     def close(self) -> None:
         for task in self._snapshots.values():

@@ -1,8 +1,8 @@
 """The agent daemon: one asyncio program per machine.
 
-It holds one etcd lease for its whole registration (node key, election
-candidacy, every claim), mirrors the namespace with a watch, leads when its
-candidacy is the oldest, claims tasks that fit, runs them, and records each
+It holds one etcd lease for its whole registration (node key, every claim),
+mirrors the namespace with a watch, stands for leader when no live node leads
+(a candidacy on a short lease of its own), claims tasks that fit, runs them, and records each
 attempt with a fenced transaction. SIGTERM (or the Drain RPC) drains it: no new
 claims, running tasks are stopped with a grace period and handed back.
 """
@@ -46,7 +46,7 @@ from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
 
 from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
-from hypermesh.config import AgentConfig
+from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
 from hypermesh.keyspace import Keyspace, TaskRef
@@ -146,6 +146,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._lease_lost = asyncio.Event()
         self._mirror_ready = asyncio.Event()
+        self._view_changed = asyncio.Event()  # set on every batch the mirror applies
         self._leader_dirty = True
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: grpc.aio.Server | None = None
@@ -190,7 +191,7 @@ class Agent:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         use_pidfd_child_watcher()
         await self.etcd.connect()
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
         agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
         self.health = Health(self._server)
         host = self.cfg.listen.rpartition(":")[0]
@@ -358,21 +359,81 @@ class Agent:
             self._health_changed()
 
     async def _campaign(self) -> None:
-        """Stand for leader on a short lease of its own, and again whenever it lapses."""
+        """Lead when no live node does.
+
+        A candidacy is a key under ``elect/`` on a short lease of its own
+        (``--leader-ttl``), and only the leader holds one: the others watch, and when
+        the leader's key goes (its lease lapsed or was revoked) or its node does, they
+        race with one transaction each that stands only if no one stood since their
+        view (see :meth:`_stand`). So the followers keep no second lease alive, and
+        a silent leader is still replaced within the leader TTL."""
+        await self._mirror_ready.wait()
         while True:
+            self._view_changed.clear()
+            vacant = self.view.vacant_candidacies()
+            if vacant is None or not self._may_lead():
+                await self._view_changed.wait()
+                continue
             try:
-                self.election_lease = await self.etcd.grant(self.cfg.leader_ttl)
-                await self.etcd.put(
-                    self.ks.candidate(self.election_lease),
-                    dumps({"node": self.cfg.name}),
-                    self.election_lease,
-                )
+                stood_at = await self._stand(vacant, self.view.revision)
             except (EtcdUnavailable, LeaseLost) as exc:
                 log.warning("%s: campaign: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
                 continue
-            await self.etcd.keep_lease(self.election_lease, self.cfg.leader_ttl, lambda: None)
-            self.decide(f"candidacy {self.election_lease:x} lapsed; standing again")
+            if stood_at:
+                await self._hold_candidacy(stood_at)
+
+    def _may_lead(self) -> bool:
+        return (
+            not self._stop.is_set()
+            and not self.lease_is_lost
+            and self.cfg.name in self.view.nodes
+        )
+
+    async def _stand(self, vacant: list[str], seen: int) -> int:
+        """Put this node's candidacy, clearing the keys of ``vacant`` (as of the view's
+        revision ``seen``), in one transaction that fails if any candidacy was put
+        after ``seen``: of the nodes that saw the same vacancy, one wins. Returns the
+        revision of the candidacy, or 0 when another node stood first."""
+        lease = await self.etcd.grant(self.cfg.leader_ttl)
+        done = await self.etcd.txn(
+            [self.etcd.none_created_since(self.ks.election, seen)],
+            [
+                *(self.etcd.op_delete(self.ks.election + key) for key in vacant),
+                self.etcd.op_put(
+                    self.ks.candidate(lease), dumps({"node": self.cfg.name}), lease
+                ),
+            ],
+        )
+        if not done.succeeded:
+            await self.etcd.revoke(lease)
+            return 0
+        self.election_lease = lease
+        self.decide(f"stood for leader with candidacy {lease:x}")
+        return done.revision
+
+    async def _hold_candidacy(self, stood_at: int) -> None:
+        """Keep the candidacy's lease alive until it lapses or its key is gone (a
+        node that stood while this node's own node key was gone cleared it)."""
+        lease, key = self.election_lease, f"{self.election_lease:016x}"
+        keeper = asyncio.create_task(
+            self.etcd.keep_lease(lease, self.cfg.leader_ttl, lambda: None)
+        )
+        try:
+            while True:
+                changed = asyncio.ensure_future(self._view_changed.wait())
+                await asyncio.wait([keeper, changed], return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if keeper.done():
+                    self.decide(f"candidacy {lease:x} lapsed")
+                    break
+                self._view_changed.clear()
+                if self.view.revision >= stood_at and key not in self.view.candidates:
+                    self.decide(f"candidacy {lease:x} was cleared")
+                    break
+        finally:
+            keeper.cancel()
+            await self.etcd.revoke(lease)
 
     async def _handle_lease_lost(self) -> None:
         """Our claims are gone: stop every attempt now (their results would be
@@ -397,6 +458,7 @@ class Agent:
 
     def _on_batch(self, revision: int) -> None:
         self._leader_dirty = True
+        self._view_changed.set()
         self._wake.set()
         self.gangs.wake()
 

@@ -2,7 +2,8 @@
 ``agent/gang.py``; the records and transactions in ``hypermesh.gangs``/``gang_txns``.
 
 ``GangDuty`` runs beside the agent's ordinary claims. On every change of the mirrored
-view (and every ``TICK_S``, for the waiting bound) it asks ``gang.plan`` what to do
+view (and, while it holds or joins a seat or backs off, every ``TICK_S``, for the
+waiting bound) it asks ``gang.plan`` what to do
 and carries it out: takes and gives back seats, starts a gang (rank 0), runs this
 node's member process with the rendezvous environment, records member ends and (rank
 0) the attempt. Only the agent's event loop touches its state. A seat takes one of
@@ -109,8 +110,11 @@ class GangDuty:
         while True:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # arrives as the event fires, and the agent's stop would wait for this loop.
+            # Time matters only to seats held or being joined (the waiting bound) and
+            # to back-offs; with none, only a change of the view (a wake) brings work.
+            timeout = TICK_S if self.members or self.joining or self.backoff else None
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(TICK_S):
+                async with asyncio.timeout(timeout):
                     await self._wake.wait()
             self._wake.clear()
             if agent.lease_is_lost or agent.view.revision < self.written_revision:

@@ -29,6 +29,7 @@ from hypermesh.agent.swim import Message, Outgoing, Swim
 from hypermesh.chunkfs.holdings import SOURCES, merge
 
 from hypermesh._proto import agent_pb2
+from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
@@ -37,11 +38,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Reconnect quickly to a peer that comes back; grpc's default backoff grows to 2 min.
-CHANNEL_OPTIONS = [
+DATA_CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+CHANNEL_OPTIONS = [*DATA_CHANNEL_OPTIONS, *SMALL_MESSAGE_GRPC_OPTIONS]
 META_MIN_INTERVAL_S = 0.5  # load changes are gossiped at most this often
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
@@ -59,6 +61,7 @@ class Gossip:
         self.cfg = cfg
         self.swim: Swim | None = None
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.data_channels: dict[str, grpc.aio.Channel] = {}
         self.links: dict[str, PeerLink] = {}
         self.revoked: set[tuple[str, int]] = set()
         self._meta: dict[str, Any] = {}
@@ -101,7 +104,8 @@ class Gossip:
             self.agent.share.close()
             for link in self.links.values():
                 await link.close()
-            closing = [channel.close() for channel in self.channels.values()]
+            channels = [*self.channels.values(), *self.data_channels.values()]
+            closing = [channel.close() for channel in channels]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*closing), 2.0)
 
@@ -143,10 +147,20 @@ class Gossip:
             self._wake.set()
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to a peer for small messages: gossip, telemetry requests."""
         channel = self.channels.get(address)
         if channel is None:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self.channels[address] = channel
+        return channel
+
+    def data_channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to a peer for bulk transfers (chunk streams): gRPC's flow
+        control may grow its windows, which the gossip channel does not let it."""
+        channel = self.data_channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=DATA_CHANNEL_OPTIONS)
+            self.data_channels[address] = channel
         return channel
 
     def _send(self, outgoing: list[Outgoing]) -> None:

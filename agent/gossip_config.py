@@ -8,12 +8,15 @@ holds the numbers.
 Presets:
 
 * :meth:`GossipConfig.lan` — the default for machines on one network: a dead
-  member is known everywhere within about 1-3 s in a small mesh (0.5 s protocol
-  period), within 15 periods at 1,000 members and 20 at 10,000 (see
-  ``docs/benchmarks.md``); a member whose port refuses connections is known
-  dead within about one period.
-* :meth:`GossipConfig.local` — ten times faster timers, for tests that drive the
-  protocol with a virtual clock.
+  member is known everywhere within about 2-4 s in a small mesh (1 s protocol
+  period, a shortest suspicion of one period), within 15 periods at 1,000 members
+  and 20 at 10,000 (see ``docs/benchmarks.md``); a member whose port refuses
+  connections is known dead within about one period. The period is 1 s, not
+  shorter, because gossip messages are most of what an idle agent costs (its
+  gRPC stack's hand-offs per message): at 0.5 s an idle agent spent 0.75 % of a
+  core, at 1 s 0.5 %.
+* :meth:`GossipConfig.local` — much faster timers (a 0.05 s period), for tests
+  that drive the protocol with a virtual clock or run agents on loopback.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from typing import Any
 class GossipConfig:
     """How one member probes, suspects and gossips. Immutable; checked at construction."""
 
-    protocol_period: float = 0.5
+    protocol_period: float = 1.0
     """Seconds between two probes started by this member (one member probed per period).
 
     Every member is probed about once per period by someone, so detection time is a
     small multiple of this. Shorter: faster detection, proportionally more pings
-    (two messages per member per period)."""
+    (two messages per member per period, and as many answered) and idle CPU: about
+    0.25 % of a core per probe a second on the 2-core machines of
+    ``docs/benchmarks.md``."""
 
     probe_timeout: float = 0.2
     """Seconds to wait for a direct ack before asking ``indirect_checks`` members to probe.
@@ -52,11 +57,14 @@ class GossipConfig:
     under loss a larger k is much cheaper than the gossip it saves: with k = 3,
     1,000 members at 10% loss make more updates than gossip can carry."""
 
-    suspicion_mult: float = 2.0
+    suspicion_mult: float = 1.0
     """alpha: the shortest suspicion timeout is alpha * max(1, log10 N) protocol periods.
 
     Larger: more time for a suspected live member to hear of it and refute, so
-    fewer false deaths under loss; a dead member is declared dead later."""
+    fewer false deaths under loss; a dead member is declared dead later. 1 with the
+    1 s period keeps a small mesh's shortest suspicion at 1 s (as 2 did with 0.5 s);
+    at 1,000 members it is 3 periods, and 10 % message loss still killed no live
+    member in the simulation (``docs/benchmarks.md``)."""
 
     suspicion_max_mult: float = 4.0
     """beta: the longest suspicion timeout is beta times the shortest.
@@ -170,10 +178,11 @@ class GossipConfig:
 
     @classmethod
     def local(cls, **overrides: Any) -> GossipConfig:
-        """Ten times faster timers, for tests on a virtual clock or on loopback."""
+        """Much faster timers (a 0.05 s period), for tests on a virtual clock or on loopback."""
         base = cls(
             protocol_period=0.05,
             probe_timeout=0.02,
+            suspicion_mult=2.0,  # timers this short need more slack on a busy test machine
             gossip_interval=0.025,
             push_pull_interval=3.0,
             late_tick_threshold=0.05,

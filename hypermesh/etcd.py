@@ -19,6 +19,7 @@ import grpc
 from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio.kv import KVService, prefix_range_end
 
+from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 from hypermesh.errors import EtcdUnavailable, LeaseLost, UsageError
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class Etcd:
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.client = Etcd3Client(self.endpoints, rpc_max_attempts=5)
+        # etcd3aio takes no channel options; its connection manager's list is read
+        # when connect() opens the channel. Without the attribute (another etcd3aio
+        # version) the channel keeps gRPC's defaults, which only costs idle CPU.
+        options = getattr(getattr(self.client, "_manager", None), "grpc_options", None)
+        if isinstance(options, list):
+            options.extend(SMALL_MESSAGE_GRPC_OPTIONS)
 
     async def __aenter__(self) -> Etcd:
         await self.connect()
@@ -143,6 +150,19 @@ class Etcd:
 
         return Compare(
             result=Compare.EQUAL, target=Compare.MOD, key=key.encode(), mod_revision=revision
+        )
+
+    @staticmethod
+    def none_created_since(prefix: str, revision: int) -> Any:
+        """Every key under ``prefix`` already existed at ``revision`` (also: no key at all)."""
+        from etcd3aio._protobuf import Compare
+
+        return Compare(
+            result=Compare.LESS,
+            target=Compare.CREATE,
+            key=prefix.encode(),
+            range_end=prefix_range_end(prefix),
+            create_revision=revision + 1,
         )
 
     @staticmethod
@@ -219,7 +239,9 @@ class Etcd:
             stream = self.client.lease._stub.LeaseKeepAlive(requests())
             try:
                 while True:
-                    answer = await asyncio.wait_for(stream.read(), interval + self.timeout)
+                    # asyncio.timeout, not wait_for: no task per renewal (3.11)
+                    async with asyncio.timeout(interval + self.timeout):
+                        answer = await stream.read()
                     if answer is grpc.aio.EOF:
                         break
                     if answer.TTL <= 0:

@@ -429,6 +429,14 @@ class MeshView:
         live = [c for c in self.candidates.values() if c[1] in self.nodes]
         return min(live)[1] if live else None
 
+    def vacant_candidacies(self) -> list[str] | None:
+        """None while a live node leads. Otherwise leadership is open, and these are the
+        candidacy keys (their part under ``elect/``) left by nodes that are gone; a
+        node that stands clears them in the same transaction."""
+        if self.leader() is not None:
+            return None
+        return sorted(self.candidates)
+
     def running_on(self, node: str) -> list[TaskRef]:
         return sorted(ref for ref, c in self.claims.items() if c.node == node)
 

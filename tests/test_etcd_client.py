@@ -119,3 +119,29 @@ def test_fenced_transaction_and_lease_expiry(etcd_server: EtcdServer) -> None:
             assert await etcd.keepalive_once(lease2) <= 0
 
     asyncio.run(scenario())
+
+
+def test_of_two_candidates_that_saw_the_same_vacancy_one_stands(etcd_server: EtcdServer) -> None:
+    """The election's transaction: stand only if no candidacy was put since the view."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            stale = await etcd.put("/el/elect/01", b"gone")  # a dead leader's key
+            seen = await etcd.put("/el/other", b"x")  # the revision both candidates saw
+
+            def stand(name: str) -> list[object]:
+                return [etcd.op_delete("/el/elect/01"), etcd.op_put("/el/elect/" + name, b"")]
+
+            guard = [etcd.none_created_since("/el/elect/", seen)]
+            first = await etcd.txn(guard, stand("02"))
+            second = await etcd.txn(guard, stand("03"))
+            assert first.succeeded and not second.succeeded
+            kvs, _ = await etcd.get_prefix("/el/elect/")
+            assert [kv.key for kv in kvs] == [b"/el/elect/02"]
+            # Keys older than the view do not stop a candidate; an empty prefix neither.
+            assert stale < seen
+            later = await etcd.txn([etcd.none_created_since("/el/elect/", first.revision)], [])
+            empty = await etcd.txn([etcd.none_created_since("/el/none/", seen)], [])
+            assert later.succeeded and empty.succeeded
+
+    asyncio.run(scenario())

@@ -15,9 +15,10 @@ def test_lan_is_the_default_and_overrides_keep_the_rest() -> None:
     assert cfg.indirect_checks == 5 and cfg.protocol_period == GossipConfig().protocol_period
 
 
-def test_lan_timings_fit_a_one_to_three_second_detection_in_a_small_mesh() -> None:
+def test_lan_timings_fit_a_two_to_four_second_detection_in_a_small_mesh() -> None:
     cfg = GossipConfig.lan()
-    assert 0.3 <= cfg.protocol_period <= 0.6
+    # at most one probe a second: gossip is most of an idle agent's CPU
+    assert 0.5 <= cfg.protocol_period <= 1.0
     assert cfg.probe_timeout < cfg.protocol_period / 2
     # probe, one period to give up, then at least the shortest suspicion timeout
     assert cfg.protocol_period + suspicion_timeout(10, cfg) <= 2.0
@@ -40,7 +41,7 @@ def test_local_is_faster_than_lan_for_every_timer() -> None:
 def test_describe_lists_every_field() -> None:
     d = GossipConfig.lan().describe()
     assert (
-        d["protocol_period"] == 0.5
+        d["protocol_period"] == 1.0
         and "max_piggyback" in d
         and len(d) == len(dataclasses.fields(GossipConfig))
     )
@@ -50,7 +51,7 @@ def test_describe_lists_every_field() -> None:
     ("field", "value", "message"),
     [
         ("protocol_period", 0.0, r"protocol_period must be in \[0.001, 60\], got 0"),
-        ("probe_timeout", 0.5, r"probe_timeout must be in \[0.0001, 0.45\], got 0.5"),
+        ("probe_timeout", 0.95, r"probe_timeout must be in \[0.0001, 0.9\], got 0.95"),
         ("indirect_checks", -1, r"indirect_checks must be in \[0, 16\]"),
         ("indirect_checks", 2.5, r"indirect_checks must be an integer in \[0, 16\]"),
         ("suspicion_mult", float("nan"), r"suspicion_mult must be a number"),

@@ -6,6 +6,7 @@ every process it started, with no drain and no lease revoke.
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import os
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from hypermesh.etcd import Etcd, parse_endpoints
+from hypermesh.keyspace import Keyspace
 from hypermesh.localmesh import EtcdCluster, wait_for
 from tests.conftest import Mesh, process_gone, task_pid
 
@@ -88,6 +91,38 @@ experiments:
     assert status["state"] == "succeeded"  # the second experiment was expanded by the new leader
     again = mesh.hm("submit", str(recipe), "--wait", timeout=60)
     assert again.returncode == 0, again.stderr
+
+
+def candidacies(mesh: Mesh) -> list[str]:
+    """The nodes holding a leader candidacy (``elect/`` keys) in etcd now."""
+
+    async def read() -> list[str]:
+        async with Etcd(parse_endpoints(mesh.etcd.url)) as etcd:
+            kvs, _ = await etcd.get_prefix(Keyspace(mesh.namespace).election)
+        return sorted(json.loads(kv.value)["node"] for kv in kvs)
+
+    return asyncio.run(read())
+
+
+def test_only_the_leader_holds_a_candidacy_and_a_survivor_takes_its_place(mesh: Mesh) -> None:
+    for name in ("node1", "node2", "node3"):
+        mesh.agent(name, slots=1)
+
+    def leader() -> str | None:
+        leaders = [n["name"] for n in mesh.hm_json("nodes") if n["leader"]]
+        return leaders[0] if len(leaders) == 1 else None
+
+    first = wait_for(leader, 15, "a leader")
+    # The followers keep no second lease alive: they stand only when no live node leads.
+    assert candidacies(mesh) == [first]
+    mesh.agents[first].crash()
+    successor = wait_for(lambda: leader() not in (None, first) and leader(), 15, "a new leader")
+    # The crashed leader's candidacy (its lease would live on for up to the leader
+    # TTL) went in the transaction that made the successor stand.
+    assert candidacies(mesh) == [successor]
+    recipe = mesh.write_recipe("experiments:\n  one:\n    command: ['true']\n")
+    done = mesh.hm("submit", str(recipe), "--wait", timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def test_paused_agent_loses_its_claim_and_its_processes(mesh: Mesh) -> None:

@@ -437,6 +437,22 @@ def test_leader_is_the_registered_candidate_with_the_lowest_create_revision() ->
     assert view.leader() is None
 
 
+def test_leadership_is_vacant_while_no_registered_node_stands() -> None:
+    feed = Feed()
+    view = feed.view
+    assert view.vacant_candidacies() == []  # nobody stood yet
+    feed.node("n1")
+    feed.node("n2")
+    view.apply(feed.ks.candidate(0x10), dumps({"node": "n1"}), 10, 10)
+    assert view.vacant_candidacies() is None  # n1 leads
+    feed.delete(feed.ks.node("n1"))
+    # n1's node is gone while its candidacy's lease still runs: the next one to
+    # stand clears the key
+    assert view.vacant_candidacies() == [f"{0x10:016x}"]
+    view.apply(feed.ks.candidate(0x20), dumps({"node": "n2"}), 20, 20)
+    assert view.vacant_candidacies() is None and view.leader() == "n2"
+
+
 def test_leader_ignores_a_later_modification_of_a_candidate_key() -> None:
     feed = Feed()
     feed.node("a")
