@@ -43,8 +43,9 @@ class GossipConfig:
     """Seconds to wait for a direct ack before asking ``indirect_checks`` members to probe.
 
     Must exceed the round trip time at high percentiles, else healthy members are
-    probed indirectly for nothing; must leave room for the indirect round within
-    ``protocol_period``."""
+    probed indirectly for nothing. It also sets when an unanswered probe makes its
+    target suspect: ``suspicion.probe_deadline``, three times this (the indirect round
+    gets twice the direct one), at most ``protocol_period``."""
 
     indirect_checks: int = 5
     """k: members asked to probe the target when the direct probe failed.

@@ -25,6 +25,16 @@ def suspicion_timeout(n_members: int, cfg: GossipConfig) -> float:
     return cfg.suspicion_mult * scale * cfg.protocol_period
 
 
+def probe_deadline(cfg: GossipConfig) -> float:
+    """Seconds from the start of a probe until an unanswered one makes its target suspect.
+
+    ``min(protocol_period, 3 * probe_timeout)``: the direct ping's timeout, then twice
+    that for the indirect round (a ping relayed there and back). Tied to round trips,
+    not to the period, so a longer period (fewer messages) does not delay suspicion.
+    """
+    return min(cfg.protocol_period, 3 * cfg.probe_timeout)
+
+
 def suspicion_bounds(n_members: int, cfg: GossipConfig) -> tuple[float, float]:
     """(min, max) suspicion timeout in seconds: ``(t, beta * t)``, t = suspicion_timeout(N)."""
     low = suspicion_timeout(n_members, cfg)

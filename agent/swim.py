@@ -74,6 +74,7 @@ from hypermesh.agent.suspicion import (
     Suspicion,
     expected_confirmations,
     health_scaled,
+    probe_deadline,
     push_pull_period,
     retransmit_limit,
     suspicion_bounds,
@@ -395,7 +396,8 @@ class Swim:
         rec = self._table.get(target)
         assert rec is not None
         timeout = health_scaled(self.cfg.probe_timeout, self._awareness)
-        probe = _Probe(self._new_seq(), target, rec.address, now + timeout, now + period)
+        end = now + health_scaled(probe_deadline(self.cfg), self._awareness)
+        probe = _Probe(self._new_seq(), target, rec.address, now + timeout, end)
         self._probes[probe.seq] = probe
         self._probing[target] = probe.seq
         out.append(self._ping(target, rec, probe.seq))
@@ -410,8 +412,8 @@ class Swim:
             if rec is None or rec.state != SUSPECT or target in self._probing:
                 continue
             timeout = health_scaled(self.cfg.probe_timeout, self._awareness)
-            period = health_scaled(self.cfg.protocol_period, self._awareness)
-            probe = _Probe(self._new_seq(), target, rec.address, now + timeout, now + period)
+            end = now + health_scaled(probe_deadline(self.cfg), self._awareness)
+            probe = _Probe(self._new_seq(), target, rec.address, now + timeout, end)
             self._probes[probe.seq] = probe
             self._probing[target] = probe.seq
             out.append(self._ping(target, rec, probe.seq))
@@ -420,7 +422,7 @@ class Swim:
     def _start_fast_probe(self, target: str, rec: _Member, now: float, out: list[Outgoing]) -> None:
         if target in self._probing:
             return
-        window = self.cfg.protocol_period - self.cfg.probe_timeout
+        window = probe_deadline(self.cfg) - self.cfg.probe_timeout
         end = now + health_scaled(window, self._awareness)
         probe = _Probe(self._new_seq(), target, rec.address, now, end, direct_refused=True)
         self._probes[probe.seq] = probe

@@ -11,6 +11,7 @@ from hypermesh.agent.suspicion import (
     expected_confirmations,
     health_scaled,
     lifeguard_timeout,
+    probe_deadline,
     push_pull_period,
     retransmit_limit,
     suspicion_bounds,
@@ -36,6 +37,20 @@ def test_suspicion_timeout(n: int, alpha: float, period: float, expected: float)
     assert suspicion_timeout(n, cfg) == pytest.approx(expected)
     low, high = suspicion_bounds(n, cfg)
     assert (low, high) == pytest.approx((expected, cfg.suspicion_max_mult * expected))
+
+
+@pytest.mark.parametrize(
+    ("period", "probe_timeout", "expected"),
+    [
+        (1.0, 0.2, 0.6),  # lan: suspect 0.6 s after an unanswered probe, not a period
+        (0.5, 0.2, 0.5),  # never beyond the period
+        (0.05, 0.02, 0.05),  # local
+        (2.0, 0.1, 0.3),
+    ],
+)
+def test_probe_deadline(period: float, probe_timeout: float, expected: float) -> None:
+    cfg = GossipConfig(protocol_period=period, probe_timeout=probe_timeout)
+    assert probe_deadline(cfg) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
