@@ -13,8 +13,8 @@ Presets:
   and 20 at 10,000 (see ``docs/benchmarks.md``); a member whose port refuses
   connections is known dead within about one period. The period is 1 s, not
   shorter, because gossip messages are most of what an idle agent costs (its
-  gRPC stack's hand-offs per message): at 0.5 s an idle agent spent 0.75 % of a
-  core, at 1 s 0.5 %.
+  gRPC stack's hand-offs per message): at 0.5 s an idle agent spent about 0.73 % of
+  a core, at 1 s about 0.5 % (before the other idle savings of 2026-11-24).
 * :meth:`GossipConfig.local` — much faster timers (a 0.05 s period), for tests
   that drive the protocol with a virtual clock or run agents on loopback.
 """
