@@ -259,6 +259,8 @@ class Agent:
                 t.cancel()
             await asyncio.wait(self._tasks, timeout=STOP_STEP_S)
             for lease in (self.election_lease, self.lease):
+                if not lease:  # a follower holds no candidacy lease
+                    continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.etcd.revoke(lease), STOP_STEP_S)
             if self.metrics is not None:
@@ -434,6 +436,7 @@ class Agent:
         finally:
             keeper.cancel()
             await self.etcd.revoke(lease)
+            self.election_lease = 0
 
     async def _handle_lease_lost(self) -> None:
         """Our claims are gone: stop every attempt now (their results would be
