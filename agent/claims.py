@@ -95,8 +95,8 @@ def choose_claims(
             if (wf.id, name) not in view.expanded or view.experiment_cancelled(wf.id, name):
                 continue
             open_indices = view.open.get((wf.id, name))
-            if not open_indices:
-                continue
+            if not open_indices or view.batched(wf.id, name):
+                continue  # none, or claimed block by block (agent/blocks.py)
             exp = wf.recipe.experiment(name)
             if exp.nodes > 1:
                 continue  # a gang: claimed seat by seat (agent/gang.py)

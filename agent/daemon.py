@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from hypermesh.agent import leader, spot
 from hypermesh.agent.attempt_logs import LogShipper
+from hypermesh.agent.blocks import BlockDuty, choose_block
 from hypermesh.agent.burst import BurstDuty
 from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.chunk_share import ChunkShare
@@ -46,10 +47,11 @@ from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
 
 from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
+from hypermesh.blocks import block_size
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd
-from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
 from hypermesh.recipe import Experiment
 from hypermesh.sampling import expand, expand_more, experiment_seed
@@ -90,6 +92,8 @@ class Running:
     devices: list[int] = field(default_factory=list)  # GPU indices booked for it
     process: AttemptProcess | None = None
     task: asyncio.Task[None] | None = None
+    block: BlockRef | None = None  # the held block it belongs to (agent/blocks.py)
+    started_at: float | None = None
 
 
 class Agent:
@@ -141,6 +145,7 @@ class Agent:
         self.state = "alive"
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
+        self.blocks = BlockDuty(self)
         self._wake: asyncio.Event = asyncio.Event()
         self.claiming: set[TaskRef] = set()  # tasks of the claim transaction in flight
         self._stop = asyncio.Event()
@@ -442,6 +447,7 @@ class Agent:
         """Our claims are gone: stop every attempt now (their results would be
         rejected anyway), then rejoin with a new lease."""
         self.decide(f"lost lease {self.lease:x}; stopping {len(self.running)} attempts")
+        self.blocks.drop_all()
         for r in list(self.running.values()):
             if r.process is not None:
                 r.process.stop("node-lost", grace=0)
@@ -515,7 +521,8 @@ class Agent:
                     params = expand(exp, seed)
                 if await expand_experiment(
                     self.etcd, self.ks, wf.id, exp.name, params, action.state_revision, start,
-                    count,
+                    count, self._block_size(wf.id, exp, start + len(params)),
+                    self.view.revision,
                 ):
                     what = "extended" if start else "expanded"
                     added = len(params) if count is None else count - start
@@ -532,6 +539,17 @@ class Agent:
                     action.state_revision,
                 ):
                     self.decide(f"workflow {action.workflow} is {action.state}")
+
+    def _block_size(self, wid: str, exp: Experiment, count: int) -> int:
+        """Tasks per block of an expansion: the size of the experiment's blocks written
+        so far (by this leader or one before it), else one chosen for its size."""
+        written = self.view.blocks.get((wid, exp.name))
+        if written:
+            return written[min(written)]
+        if any(ref.workflow == wid and ref.experiment == exp.name for ref in self.view.tasks):
+            return 1  # written task by task already
+        mesh_slots = sum(n.slots for n in self.view.nodes.values())
+        return block_size(exp, count, mesh_slots)
 
     async def _suggest(self, action: leader.Suggest) -> None:
         """Create the next trials of an adaptive search (Optuna runs in a thread)."""
@@ -569,7 +587,40 @@ class Agent:
             load.gpu_devices = self.gpu_source.devices()
         return load
 
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop_block(self, bref: BlockRef, refs: list[TaskRef]) -> None:
+        """A held block's claim is gone: its attempts here stop now (their results
+        would be rejected, and a peer may be running them already)."""
+        for ref in refs:
+            r = self.running.get(ref)
+            if r is not None and r.block == bref and r.process is not None:
+                r.process.stop("node-lost", grace=0)
+
+    async def _start_block_tasks(self) -> None:
+        """Fill free slots from the blocks held here, claiming another block when
+        they have nothing left to start (agent/blocks.py)."""
+        me = self.record()
+        while not self._stop.is_set() and not self._lease_lost.is_set():
+            if me.slots - len(self.running) - len(self.gangs.held()) - len(self.claiming) <= 0:
+                return
+            start = self.blocks.next_start()
+            if start is None:
+                if not self.blocks.wants_block():
+                    return
+                bref = choose_block(self.view, me, set(self.blocks.held), self.rng)
+                if bref is None or await self.blocks.claim(bref) is None:
+                    return
+                continue
+            block, ref, n, started_at = start
+            r = Running(ClaimPlan(ref, n), block.fence, 0.0, block=block.ref,
+                        started_at=started_at)
+            self.running[ref] = r
+            r.task = asyncio.create_task(self._execute(r), name=f"attempt {ref}")
+
     async def _claim(self) -> None:
+        await self._start_block_tasks()
         while not self._stop.is_set() and not self._lease_lost.is_set():
             batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
             if self.view.revision < self.written_revision:
@@ -658,7 +709,7 @@ class Agent:
 
     async def _execute(self, r: Running) -> None:
         ref, n = r.plan.ref, r.plan.attempt
-        started = time.time()
+        started = r.started_at or time.time()
         try:
             wf = self.view.workflows[ref.workflow]
             exp = wf.recipe.experiment(ref.experiment)
@@ -749,6 +800,14 @@ class Agent:
             started,
             outcome.ended_at,
         )
+        if r.block is not None:
+            final = self.blocks.ended(r.block, r.claim_revision, ref.index, n, outcome.state,
+                                      outcome.exit_code, outcome.reason, started,
+                                      outcome.ended_at)
+            if final != "succeeded":
+                again = "; will run again" if final is None else f"; task {final}"
+                self.decide(f"{ref} attempt {n} {outcome.state} ({outcome.reason}){again}")
+            return
         # node-lost / preempted: runs again, not counted
         final = self.view.final_state(ref, outcome.state, outcome.reason, retries)
         delay = 0.1
@@ -815,11 +874,14 @@ class Agent:
                 self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease
             )
         grace = self.cfg.kill_grace if self.drain_grace is None else self.drain_grace
+        self.blocks.release_all()
         for r in list(self.running.values()):
             if r.process is not None:
                 r.process.stop("preempted", grace=grace)
         self.gangs.stop_all("preempted", grace)
         deadline = time.monotonic() + grace + 10
-        while (self.running or self.gangs.busy) and time.monotonic() < deadline:
+        while (self.running or self.gangs.busy or self.blocks.busy()) and (
+            time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.05)
         self.decide("drained")

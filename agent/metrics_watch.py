@@ -140,7 +140,8 @@ def attempt_watch(agent: Agent, r: Running, exp: Experiment, log_path: Path) -> 
     ref, n = r.plan.ref, r.plan.attempt
 
     async def store(value: bytes) -> None:
-        written = await put_metrics(agent.etcd, agent.ks, ref, n, r.claim_revision, value)
+        written = await put_metrics(agent.etcd, agent.ks, ref, n, r.claim_revision, value,
+                                    r.block)
         if written is not None:
             agent.written_revision = max(agent.written_revision, written)
 

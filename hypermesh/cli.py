@@ -450,7 +450,8 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
 
     # Only the keys that progress depends on: not attempts, slots or other workflows.
     prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
-        ks.kind_prefix(kind, wid) for kind in ("expanded", "task", "claim", "result", "expctl")
+        ks.kind_prefix(kind, wid)
+        for kind in ("expanded", "task", "claim", "result", "expctl", "block", "bclaim", "bdone")
     ]
     mirrors = [asyncio.create_task(etcd.mirror(p, view.apply, on_batch)) for p in prefixes]
     display = None if as_json else ProgressDisplay(wid)

@@ -145,6 +145,11 @@ class Etcd:
         return KVService.txn_compare_create_revision(key, 0)
 
     @staticmethod
+    def created_at(key: str, revision: int) -> Any:
+        """The key exists and was created at ``revision`` (not deleted and put since)."""
+        return KVService.txn_compare_create_revision(key, revision)
+
+    @staticmethod
     def mod_revision_is(key: str, revision: int) -> Any:
         from etcd3aio._protobuf import Compare
 

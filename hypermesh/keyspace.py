@@ -20,6 +20,12 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``result/<wid>/<exp>/<index>``: the task's one final outcome; fenced.
 - ``metrics/<wid>/<exp>/<index>/<n>``: metrics attempt n reported (bounded, see
   ``hypermesh.task_metrics``); by the claiming node, fenced like the attempt record.
+- ``block/<wid>/<exp>/<first>``: the parameters of tasks ``first``.. of a batched
+  experiment (``hypermesh.blocks``), in one value; by the leader, instead of ``task/``.
+- ``bclaim/<wid>/<exp>/<first>``: the node holding a block; on its lease. The key's
+  create revision fences every batch the holder writes.
+- ``bdone/<wid>/<exp>/<first>/<lease hex>-<seq>``: a batch of attempt records and
+  results of one block's tasks; by its holder, fenced by the ``bclaim`` create revision.
 - ``gang/<wid>/<exp>/<index>/seat/<rank>``: a member's seat (rank) in the gang of a
   task of an experiment with ``nodes`` > 1; on the member's lease; by the member.
 - ``gang/<wid>/<exp>/<index>/rdv``: the running gang attempt's rendezvous (attempt,
@@ -52,6 +58,25 @@ from dataclasses import dataclass
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 # Node names may also hold dots (host names such as ip-10-0-0-1.ec2.internal).
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
+
+
+@dataclass(frozen=True, order=True)
+class BlockRef:
+    """Names one block of a batched experiment: its tasks are ``first``, ``first+1``..."""
+
+    workflow: str
+    experiment: str
+    first: int
+
+    @property
+    def path(self) -> str:
+        return f"{self.workflow}/{self.experiment}/{self.first}"
+
+    def task(self, offset: int) -> TaskRef:
+        return TaskRef(self.workflow, self.experiment, self.first + offset)
+
+    def __str__(self) -> str:
+        return f"{self.workflow}.{self.experiment}[{self.first}..]"
 
 
 @dataclass(frozen=True, order=True)
@@ -152,6 +177,18 @@ class Keyspace:
     def gang_end(self, ref: TaskRef, attempt: int, rank: int) -> str:
         return f"{self.root}gang/{ref.path}/end/{attempt}/{rank}"
 
+    def block(self, ref: BlockRef) -> str:
+        return f"{self.root}block/{ref.path}"
+
+    def block_claim(self, ref: BlockRef) -> str:
+        return f"{self.root}bclaim/{ref.path}"
+
+    def block_batches(self, ref: BlockRef) -> str:
+        return f"{self.root}bdone/{ref.path}/"
+
+    def block_batch(self, ref: BlockRef, lease: int, seq: int) -> str:
+        return f"{self.root}bdone/{ref.path}/{lease:016x}-{seq:010d}"
+
     def experiment_control(self, wid: str, experiment: str) -> str:
         return f"{self.root}expctl/{wid}/{experiment}"
 
@@ -181,7 +218,7 @@ class Keyspace:
     def workflow_prefixes(self, wid: str) -> list[str]:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
         kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
-                 "gang")
+                 "gang", "block", "bclaim", "bdone")
         return [self.workflow(wid), self.workflow_state(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]

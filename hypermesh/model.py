@@ -14,9 +14,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hypermesh.blocks import Batch
 from hypermesh.errors import HypermeshError
 from hypermesh.gangs import GangTable, waiting_reason
-from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.recipe import Experiment, Recipe
 from hypermesh.sampling import planned_count
 from hypermesh.task_metrics import AttemptMetrics
@@ -248,6 +249,19 @@ class MeshView:
         self.usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
+        # Batched experiments (hypermesh/blocks.py), expanded into the tables above: a
+        # block's tasks into ``tasks``, a batch's records into ``attempts`` and
+        # ``results``, and the running attempts of a held block into ``claims`` (a
+        # Claim whose revision is the block claim's create revision, the fence).
+        self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
+        self.block_claims: dict[BlockRef, Claim] = {}
+        self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
+        self._batches: dict[str, tuple[int, Batch]] = {}  # bdone key -> (revision, batch)
+        self._result_revisions: dict[TaskRef, int] = {}  # batch revision of a block result
+        self._reopened: dict[TaskRef, tuple[int, int]] = {}  # (revision, retry_from)
+        self.block_open: Counter[BlockRef] = Counter()  # open tasks per block
+        self._block_of: dict[TaskRef, BlockRef] = {}
+        self._firsts: dict[tuple[str, str], list[int]] = {}  # sorted, cached
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -343,6 +357,8 @@ class MeshView:
             self.open[key].add(ref.index)
         else:
             self.open[key].discard(ref.index)
+        if (before == "open") != (after == "open") and ref in self._block_of:
+            self.block_open[self._block_of[ref]] += 1 if after == "open" else -1
         if before != after:
             if before is not None:
                 self.counts[key][before] -= 1
@@ -405,6 +421,132 @@ class MeshView:
                 ended_at=float(data.get("ended_at", 0.0)),
             )
         self._refresh_open(ref, before)
+
+    # ------------------------------------------------------------------ blocks
+    def _apply_block(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        sizes = self.blocks[(bref.workflow, bref.experiment)]
+        self._firsts.pop((bref.workflow, bref.experiment), None)
+        if data is None:
+            size = sizes.pop(bref.first, 0)
+            for offset in range(size):
+                ref = bref.task(offset)
+                before = self._raw_state(ref)
+                self.tasks.pop(ref, None)
+                self._refresh_open(ref, before)
+                self._block_of.pop(ref, None)
+            self.block_open.pop(bref, None)
+            return
+        params = data["params"]
+        if not isinstance(params, list) or not all(isinstance(p, dict) for p in params):
+            raise TypeError("block params must be a list of objects")
+        sizes[bref.first] = len(params)
+        for offset, p in enumerate(params):
+            ref = bref.task(offset)
+            before = self._raw_state(ref)
+            self.tasks[ref] = {"params": p}
+            self._block_of[ref] = bref
+            self._refresh_open(ref, before)
+
+    def _apply_bclaim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        if data is None:
+            self.block_claims.pop(bref, None)
+        else:
+            self.block_claims[bref] = Claim(
+                node=str(data["node"]),
+                attempt=0,
+                slot=None,
+                lease=int(data.get("lease", 0)),
+                started_at=float(data.get("started_at", 0.0)),
+                revision=crev,
+            )
+        for index in list(self._block_indices.get(bref, ())):
+            self._refresh_block_task(bref, TaskRef(bref.workflow, bref.experiment, index))
+
+    def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        key = "/".join(parts)
+        touched: set[TaskRef] = set()
+        if data is None:  # the workflow was deleted: undo what the batch recorded
+            revision, batch = self._batches.pop(key, (0, Batch("")))
+            for a in batch.attempts:
+                ref = TaskRef(bref.workflow, bref.experiment, a.index)
+                mine = self.attempts.get(ref, {}).get(a.attempt)
+                if mine is not None and mine.revision == revision:
+                    self.attempts[ref].pop(a.attempt, None)
+                touched.add(ref)
+            for r in batch.results:
+                ref = TaskRef(bref.workflow, bref.experiment, r.index)
+                if self._result_revisions.get(ref) == revision:
+                    before = self._raw_state(ref)
+                    self.results.pop(ref, None)
+                    self._result_revisions.pop(ref, None)
+                    self._refresh_open(ref, before)
+            for ref in touched:
+                self._refresh_block_task(bref, ref)
+            return
+        batch = Batch.from_json(data)
+        self._batches[key] = (mrev, batch)
+        for a in batch.attempts:
+            ref = TaskRef(bref.workflow, bref.experiment, a.index)
+            known = self.attempts[ref].get(a.attempt)
+            if known is None or known.revision <= mrev:
+                self.attempts[ref][a.attempt] = Attempt(
+                    a.attempt, a.node or batch.node, a.state, a.exit_code, a.reason, a.started_at,
+                    a.ended_at, revision=mrev,
+                )
+            self._block_indices[bref].add(a.index)
+            touched.add(ref)
+        for index, retry_from in batch.reopened:
+            ref = TaskRef(bref.workflow, bref.experiment, index)
+            if self._reopened.get(ref, (0, 0))[0] < mrev:
+                self._reopened[ref] = (mrev, retry_from)
+            if self._result_revisions.get(ref, mrev) < mrev:
+                before = self._raw_state(ref)
+                self.results.pop(ref, None)
+                self._result_revisions.pop(ref, None)
+                self._refresh_open(ref, before)
+        for r in batch.results:
+            ref = TaskRef(bref.workflow, bref.experiment, r.index)
+            if self._reopened.get(ref, (0, 0))[0] > mrev:
+                continue  # reopened by a later retry
+            before = self._raw_state(ref)
+            self.results[ref] = Result(r.state, r.attempt, r.exit_code, r.ended_at)
+            self._result_revisions[ref] = mrev
+            self._refresh_open(ref, before)
+        for ref in touched:
+            self._refresh_block_task(bref, ref)
+
+    def _refresh_block_task(self, bref: BlockRef, ref: TaskRef) -> None:
+        """A block task runs while its newest attempt is running on the block's holder."""
+        attempts = self.attempts.get(ref)
+        latest = attempts[max(attempts)] if attempts else None
+        holder = self.block_claims.get(bref)
+        before = self._raw_state(ref)
+        if latest is not None and latest.state == "running" and holder is not None and (
+            holder.node == latest.node and self.results.get(ref) is None
+        ):
+            self.claims[ref] = Claim(latest.node, latest.attempt, None, holder.lease,
+                                     latest.started_at or holder.started_at, holder.revision)
+        else:
+            self.claims.pop(ref, None)
+        self._refresh_open(ref, before)
+
+    def batched(self, wid: str, experiment: str) -> bool:
+        """Whether the experiment's tasks were written in blocks."""
+        return bool(self.blocks.get((wid, experiment)))
+
+    def block_firsts(self, wid: str, experiment: str) -> list[int]:
+        """The first indices of the experiment's blocks, in order."""
+        key = (wid, experiment)
+        firsts = self._firsts.get(key)
+        if firsts is None:
+            firsts = self._firsts[key] = sorted(self.blocks.get(key, ()))
+        return firsts
+
+    def block_of(self, ref: TaskRef) -> BlockRef | None:
+        return self._block_of.get(ref)
 
     def _apply_metrics(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref, n = self._ref(parts), int(parts[3])
@@ -481,7 +623,8 @@ class MeshView:
     def counted_failures(self, ref: TaskRef) -> int:
         """Ended attempts that count against ``retries`` (failed exits and timeouts),
         since the last ``retry`` of the task (``retry_from`` in its key)."""
-        since = int(self.tasks.get(ref, {}).get("retry_from", 0))
+        reopened = self._reopened.get(ref)
+        since = reopened[1] if reopened else int(self.tasks.get(ref, {}).get("retry_from", 0))
         return sum(
             1
             for a in self.attempts.get(ref, {}).values()

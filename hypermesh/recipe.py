@@ -21,6 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from hypermesh.blocks import MAX_BLOCK, why_not_batched
 from hypermesh.errors import NotFound, Problem, RecipeError
 from hypermesh.inputs import input_problems
 from hypermesh.recipe_ml import (
@@ -160,6 +161,7 @@ class Experiment:
     nodes: int = 1  # > 1: each task is a gang of this many members (agent/gang.py)
     inputs: tuple[str, ...] = ()  # ALIAS/PATH templates: what each task reads (placement)
     prefer_pools: tuple[str, ...] = ()
+    batch: int | None = None  # tasks per block (hypermesh/blocks.py); None: chosen by size
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
@@ -271,7 +273,7 @@ _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
-    "pruning", "nodes", "inputs", "prefer_pools",
+    "pruning", "nodes", "inputs", "prefer_pools", "batch",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
@@ -379,15 +381,30 @@ class _Checker(MLChecker):
         if nodes > 1 and pruning is not None:
             self.report(entry.key_line, f"{path}.pruning", "'pruning' is not supported for "
                         "gangs ('nodes' above 1)")
+        batch = optional("batch", self.integer, 1)
         if len(self.problems) > before or command is None:
             return None
-        return Experiment(
+        experiment = Experiment(
             name=name, command=command, parameters=tuple(parameters), samples=samples,
             workers=workers, hardware=hardware, after=tuple(ref[0] for ref in self._after[name][1]),
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
             pruning=pruning, nodes=nodes, inputs=inputs, prefer_pools=prefer_pools,
+            batch=batch,
         )
+        if batch is not None:
+            self.batch_rules(given["batch"], f"{path}.batch", experiment)
+            if len(self.problems) > before:
+                return None
+        return experiment
+
+    def batch_rules(self, node: _Node, path: str, exp: Experiment) -> None:
+        assert exp.batch is not None
+        if exp.batch > MAX_BLOCK:
+            self.at(node, path, f"must be at most {MAX_BLOCK}, got {exp.batch}")
+        elif exp.batch > 1 and (why := why_not_batched(exp)) is not None:
+            self.at(node, path, f"an experiment with {why} runs task by task; "
+                    "use batch: 1 or leave it out")
 
     # ------------------------------------------------------------------ data sets
     def data(self, node: _Node, path: str) -> dict[str, str] | None:

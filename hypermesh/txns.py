@@ -20,8 +20,12 @@ from typing import Any
 
 from hypermesh.errors import NotFound, UsageError
 from hypermesh.etcd import MAX_TXN_OPS, Etcd
-from hypermesh.keyspace import Keyspace, TaskRef
+from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.model import TERMINAL, Attempt, WorkflowRecord, dumps
+
+MAX_TXN_BYTES = 512 * 1024
+"""Bytes of keys and values one expansion transaction writes at most (etcd's request
+limit is 1.5 MiB by default)."""
 
 
 def new_workflow_id(name: str) -> str:
@@ -109,6 +113,8 @@ async def expand_experiment(
     state_revision: int | None = None,
     start: int = 0,
     count: int | None = None,
+    block: int = 1,
+    seen_revision: int | None = None,
 ) -> bool:
     """Write an experiment's tasks, then its ``expanded`` marker.
 
@@ -123,19 +129,42 @@ async def expand_experiment(
     live change made since the leader decided.
     ``count`` (default: ``start + len(params)``) is the marker's count: an adaptive
     search writes no task up front and each later with ``add_task``.
+    With ``block`` > 1 the tasks are written as blocks of that many (``hypermesh.blocks``).
+    With ``seen_revision``, the first write also requires that no task or block of the
+    experiment was created since that revision of the leader's view: a leader that has
+    not seen another's partial expansion must not write blocks of another size over it.
     """
     marker = ks.expanded(wid, experiment)
     guard = (
         [etcd.value_is(marker, dumps({"count": start}))] if start else [etcd.absent(marker)]
     ) + state_guard(etcd, ks, wid, state_revision)
-    puts = [
-        etcd.op_put(ks.task(TaskRef(wid, experiment, start + i)), dumps({"params": p}))
-        for i, p in enumerate(params)
-    ]
-    for first in range(0, len(puts), MAX_TXN_OPS):
-        done = await etcd.txn(guard, puts[first : first + MAX_TXN_OPS])
-        if not done.succeeded:
-            return False
+    if block > 1:
+        values = [
+            (ks.block(BlockRef(wid, experiment, start + i)),
+             dumps({"params": list(params[i : i + block])}))
+            for i in range(0, len(params), block)
+        ]
+    else:
+        values = [
+            (ks.task(TaskRef(wid, experiment, start + i)), dumps({"params": p}))
+            for i, p in enumerate(params)
+        ]
+    first_guard = list(guard)
+    if seen_revision is not None:
+        first_guard += [
+            etcd.none_created_since(f"{ks.kind_prefix(kind, wid)}{experiment}/", seen_revision)
+            for kind in ("task", "block")
+        ]
+    txn: list[Any] = []
+    size = 0
+    for n, (key, value) in enumerate(values):
+        txn.append(etcd.op_put(key, value))
+        size += len(key) + len(value)
+        if len(txn) == MAX_TXN_OPS or size > MAX_TXN_BYTES or n == len(values) - 1:
+            done = await etcd.txn(first_guard, txn)
+            if not done.succeeded:
+                return False
+            txn, size, first_guard = [], 0, guard
     total = start + len(params) if count is None else count
     done = await etcd.txn(guard, [etcd.op_put(marker, dumps({"count": total}))])
     return done.succeeded
@@ -302,12 +331,16 @@ async def add_task(
 
 
 async def put_metrics(
-    etcd: Etcd, ks: Keyspace, ref: TaskRef, attempt: int, claim_revision: int, value: bytes
+    etcd: Etcd, ks: Keyspace, ref: TaskRef, attempt: int, claim_revision: int, value: bytes,
+    block: BlockRef | None = None,
 ) -> int | None:
     """Store an attempt's metrics, fenced like its result: only while the claim is the
-    one this attempt made. The revision written, or None if the claim is gone."""
-    done = await etcd.txn(
-        [etcd.mod_revision_is(ks.claim(ref), claim_revision)],
-        [etcd.op_put(ks.metrics(ref, attempt), value)],
+    one this attempt made (for a task of a held ``block``, the block's claim, created at
+    ``claim_revision``). The revision written, or None if the claim is gone."""
+    fence = (
+        etcd.created_at(ks.block_claim(block), claim_revision)
+        if block is not None
+        else etcd.mod_revision_is(ks.claim(ref), claim_revision)
     )
+    done = await etcd.txn([fence], [etcd.op_put(ks.metrics(ref, attempt), value)])
     return done.revision if done.succeeded else None
