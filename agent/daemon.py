@@ -548,6 +548,8 @@ class Agent:
             return written[min(written)]
         if any(ref.workflow == wid and ref.experiment == exp.name for ref in self.view.tasks):
             return 1  # written task by task already
+        if self.view.workers(wid, exp) is not None:
+            return 1  # capped live before its expansion (hypermesh scale): slot keys
         mesh_slots = sum(n.slots for n in self.view.nodes.values())
         return block_size(exp, count, mesh_slots)
 

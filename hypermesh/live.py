@@ -17,14 +17,16 @@ claimers and the leader see the change through their watch. The invariants hold:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hypermesh.blocks import Batch
 from hypermesh.errors import NotFound, StateConflict, UsageError
 from hypermesh.etcd import Etcd
-from hypermesh.keyspace import Keyspace, TaskRef
-from hypermesh.model import TERMINAL, ExperimentControl, WorkflowRecord, dumps
+from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.model import TERMINAL, ExperimentControl, MeshView, WorkflowRecord, dumps
 from hypermesh.txns import state_value
 
 ATTEMPTS = 20  # reads-and-writes tried before giving up on a key others keep changing
@@ -113,6 +115,13 @@ async def scale_experiment(
     Returns the cap it had before."""
     if workers is not None and workers < 0:
         raise UsageError(f"--workers must be 0 or more (or 'none'), not {workers}")
+    batched, _ = await etcd.get_prefix(f"{ks.kind_prefix('block', wid)}{experiment}/")
+    if batched:
+        raise UsageError(
+            f"experiment {experiment} of {wid} runs in blocks (hypermesh/blocks.py), which "
+            "take no workers cap; give it 'batch: 1' or a 'workers' cap in the recipe to "
+            "scale it live"
+        )
     before: list[int | None] = []
 
     def change(snap: Snapshot) -> ExperimentControl | None:
@@ -173,8 +182,7 @@ async def retry_failed(etcd: Etcd, ks: Keyspace, wid: str) -> list[str]:
         if len(parts) == 3 and json.loads(kv.value).get("state") == "failed":
             failed.append((TaskRef(parts[0], parts[1], int(parts[2])), kv.mod_revision))
     failed.sort()
-    retried: list[str] = []
-    state_revision = snap.state_revision
+    retried, state_revision = await _reopen_blocks(etcd, ks, wid, snap.state_revision)
     for first in range(0, len(failed), RETRY_BATCH):
         compare = [etcd.mod_revision_is(ks.workflow_state(wid), state_revision)]
         ops = [etcd.op_put(ks.workflow_state(wid), state_value("running"))]
@@ -195,3 +203,43 @@ async def retry_failed(etcd: Etcd, ks: Keyspace, wid: str) -> list[str]:
         state_revision = done.revision
         retried += [ref.id for ref, _ in failed[first : first + RETRY_BATCH]]
     return retried
+
+
+async def _reopen_blocks(
+    etcd: Etcd, ks: Keyspace, wid: str, state_revision: int
+) -> tuple[list[str], int]:
+    """``retry`` for batched experiments: failed tasks of blocks nobody holds are
+    reopened by a batch of their own (``hypermesh.blocks``), guarded like a block
+    claim. Returns the task ids and the workflow state's revision after."""
+    view = MeshView(ks)
+    kvs, seen = await etcd.get_prefix(ks.kind_prefix("bdone", wid))
+    for kv in kvs:
+        view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    per_block: dict[BlockRef, list[tuple[int, int]]] = {}
+    for ref, result in sorted(view.results.items()):
+        bref = view.block_of(ref)
+        if result.state == "failed" and bref is not None:
+            per_block.setdefault(bref, []).append((ref.index, max(view.attempts[ref])))
+    retried: list[str] = []
+    blocks = sorted(per_block)
+    for first in range(0, len(blocks), RETRY_BATCH):
+        compare = [etcd.mod_revision_is(ks.workflow_state(wid), state_revision)]
+        ops = [etcd.op_put(ks.workflow_state(wid), state_value("running"))]
+        for bref in blocks[first : first + RETRY_BATCH]:
+            compare += [
+                etcd.absent(ks.block_claim(bref)),
+                etcd.none_created_since(ks.block_batches(bref), seen),
+            ]
+            batch = Batch("retry", reopened=tuple(per_block[bref]))
+            ops.append(etcd.op_put(ks.block_batch(bref, 0, time.time_ns()),
+                                   dumps(batch.to_json())))
+        done = await etcd.txn(compare, ops)
+        if not done.succeeded:
+            raise StateConflict(
+                f"workflow {wid} changed while retrying ({len(retried)} task(s) reopened); "
+                "run retry again"
+            )
+        state_revision = done.revision
+        for bref in blocks[first : first + RETRY_BATCH]:
+            retried += [TaskRef(wid, bref.experiment, i).id for i, _ in per_block[bref]]
+    return retried, state_revision

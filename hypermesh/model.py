@@ -509,6 +509,7 @@ class MeshView:
                 self._refresh_open(ref, before)
         for r in batch.results:
             ref = TaskRef(bref.workflow, bref.experiment, r.index)
+            self._block_of.setdefault(ref, bref)
             if self._reopened.get(ref, (0, 0))[0] > mrev:
                 continue  # reopened by a later retry
             before = self._raw_state(ref)

@@ -57,7 +57,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         recipe.write_text(
             "name: chaos\nexperiments:\n  work:\n"
             f"    samples: {opts.tasks}\n"
-            f"    command: ['sleep {opts.task_seconds}']\n"
+            + (f"    batch: {opts.batch}\n" if opts.batch else "")
+            + f"    command: ['sleep {opts.task_seconds}']\n"
         )
         submitted = subprocess.run(
             [*hypermesh_command(), "submit", str(recipe)],
@@ -138,6 +139,10 @@ def main() -> int:
     parser.add_argument("--ttl", type=int, default=3, help="agents' lease TTL, seconds")
     parser.add_argument("--deadline", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--batch", type=int, default=None,
+        help="tasks per block (1: per-task keys; default: chosen by the leader)",
+    )
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
     report = run(opts)

@@ -8,10 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_chaos_small() -> None:
+@pytest.mark.parametrize("batch", [[], ["--batch", "1"]], ids=["blocks", "per-task"])
+def test_chaos_small(batch: list[str]) -> None:
+    """150 tasks on 9 slots: the leader writes them in blocks of 4 unless told 1."""
     result = subprocess.run(
         [
             sys.executable,
@@ -32,6 +36,7 @@ def test_chaos_small() -> None:
             "7",
             "--deadline",
             "120",
+            *batch,
         ],
         capture_output=True,
         text=True,

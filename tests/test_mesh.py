@@ -28,11 +28,12 @@ def successes(task: dict) -> int:
     return sum(1 for a in task["attempts"] if a["state"] == "succeeded")
 
 
-def test_three_agents_survive_the_death_of_one(mesh: Mesh) -> None:
+@pytest.mark.parametrize("batch", ["", "    batch: 3\n"], ids=["per-task", "blocks"])
+def test_three_agents_survive_the_death_of_one(mesh: Mesh, batch: str) -> None:
     for name in ("node1", "node2", "node3"):
         mesh.agent(name, slots=2)
     recipe = mesh.write_recipe(
-        "experiments:\n  work:\n    samples: 12\n    command: ['sleep 3']\n"
+        f"experiments:\n  work:\n    samples: 12\n{batch}    command: ['sleep 3']\n"
     )
     wid = mesh.submit(recipe)
 
@@ -58,6 +59,7 @@ def test_three_agents_survive_the_death_of_one(mesh: Mesh) -> None:
         first, *rest = tasks[task_id]["attempts"]
         assert (first["node"], first["state"], first["reason"]) == (victim, "failed", "node-lost")
         assert rest and rest[-1]["node"] != victim and rest[-1]["state"] == "succeeded"
+        assert first["attempt"] + 1 == rest[0]["attempt"]
 
 
 def test_a_new_leader_takes_over(mesh: Mesh) -> None:
