@@ -175,12 +175,8 @@ def use_pidfd_child_watcher() -> None:  # call from within the running loop
     """On Python 3.11 asyncio waits for each child in a thread of its own; a pidfd
     watcher waits in the event loop instead, which is much cheaper per task.
     Python 3.12+ does this by itself."""
-    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
-        return
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except OSError:
-        return  # kernel without pidfd: keep the default watcher
+    if sys.version_info >= (3, 12) or not _HAVE_PIDFD:
+        return  # or a kernel without pidfds: keep the default watcher
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         watcher = asyncio.PidfdChildWatcher()

@@ -5,13 +5,15 @@
   the attempts the last holder left running as lost, in the same transaction.
 - ``flush_block``: write one batch of attempt records and results, fenced on the
   claim's create revision; optionally release the claim in the same transaction.
-- ``reopen_block_tasks``: ``hypermesh retry`` for tasks of a block nobody holds.
+- ``claimable``: the compares of a claim, which ``hypermesh retry`` also uses to reopen
+  failed tasks of a block nobody holds (``hypermesh.live``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from hypermesh.blocks import AttemptEntry, Batch
 from hypermesh.etcd import Etcd
@@ -29,6 +31,14 @@ def lost_entries(
     ]
 
 
+def claimable(etcd: Etcd, ks: Keyspace, bref: BlockRef, seen_revision: int) -> list[Any]:
+    """Nobody holds ``bref`` and no batch of it was written since ``seen_revision``."""
+    return [
+        etcd.absent(ks.block_claim(bref)),
+        etcd.none_created_since(ks.block_batches(bref), seen_revision),
+    ]
+
+
 async def claim_block(
     etcd: Etcd,
     ks: Keyspace,
@@ -41,10 +51,7 @@ async def claim_block(
 ) -> int | None:
     """Claim ``bref`` for ``node``; the claim's create revision (the fence of every later
     batch), or None when someone holds it or wrote a batch the view has not seen."""
-    compare = [
-        etcd.absent(ks.block_claim(bref)),
-        etcd.none_created_since(ks.block_batches(bref), seen_revision),
-    ]
+    compare = claimable(etcd, ks, bref, seen_revision)
     claim = {"node": node, "lease": lease, "started_at": time.time()}
     ops = [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)]
     if lost:
@@ -69,24 +76,3 @@ async def flush_block(
         ops.append(etcd.op_delete(ks.block_claim(bref)))
     done = await etcd.txn([etcd.created_at(ks.block_claim(bref), fence)], ops)
     return done.revision if done.succeeded else None
-
-
-async def reopen_block_tasks(
-    etcd: Etcd,
-    ks: Keyspace,
-    bref: BlockRef,
-    reopened: Sequence[tuple[int, int]],
-    seen_revision: int,
-    batch_key: str,
-) -> bool:
-    """Make failed tasks of a block runnable again (``hypermesh retry``): one batch of
-    (index, retry_from) pairs, written only while nobody holds the block and no batch
-    was written since ``seen_revision`` (so the failures it reopens are the last word)."""
-    done = await etcd.txn(
-        [
-            etcd.absent(ks.block_claim(bref)),
-            etcd.none_created_since(ks.block_batches(bref), seen_revision),
-        ],
-        [etcd.op_put(batch_key, dumps(Batch("retry", reopened=tuple(reopened)).to_json()))],
-    )
-    return done.succeeded

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hypermesh.block_txns import claimable
 from hypermesh.blocks import Batch
 from hypermesh.errors import NotFound, StateConflict, UsageError
 from hypermesh.etcd import Etcd
@@ -196,13 +197,16 @@ async def retry_failed(etcd: Etcd, ks: Keyspace, wid: str) -> list[str]:
             ops += [etcd.op_delete(ks.result(ref)), etcd.op_put(ks.task(ref), dumps(value))]
         done = await etcd.txn(compare, ops)
         if not done.succeeded:
-            raise StateConflict(
-                f"workflow {wid} changed while retrying ({len(retried)} task(s) reopened); "
-                "run retry again"
-            )
+            raise _changed_while_retrying(wid, len(retried))
         state_revision = done.revision
         retried += [ref.id for ref, _ in failed[first : first + RETRY_BATCH]]
     return retried
+
+
+def _changed_while_retrying(wid: str, reopened: int) -> StateConflict:
+    return StateConflict(
+        f"workflow {wid} changed while retrying ({reopened} task(s) reopened); run retry again"
+    )
 
 
 async def _reopen_blocks(
@@ -226,19 +230,13 @@ async def _reopen_blocks(
         compare = [etcd.mod_revision_is(ks.workflow_state(wid), state_revision)]
         ops = [etcd.op_put(ks.workflow_state(wid), state_value("running"))]
         for bref in blocks[first : first + RETRY_BATCH]:
-            compare += [
-                etcd.absent(ks.block_claim(bref)),
-                etcd.none_created_since(ks.block_batches(bref), seen),
-            ]
+            compare += claimable(etcd, ks, bref, seen)
             batch = Batch("retry", reopened=tuple(per_block[bref]))
             ops.append(etcd.op_put(ks.block_batch(bref, 0, time.time_ns()),
                                    dumps(batch.to_json())))
         done = await etcd.txn(compare, ops)
         if not done.succeeded:
-            raise StateConflict(
-                f"workflow {wid} changed while retrying ({len(retried)} task(s) reopened); "
-                "run retry again"
-            )
+            raise _changed_while_retrying(wid, len(retried))
         state_revision = done.revision
         for bref in blocks[first : first + RETRY_BATCH]:
             retried += [TaskRef(wid, bref.experiment, i).id for i, _ in per_block[bref]]
