@@ -1,6 +1,6 @@
 """Attempt logs that outlive their node: copies in the object store, and one reader.
 
-An agent writes each attempt's output to ``WORK_DIR/attempts/TASK/N/output.log``.
+An agent writes each attempt's output to ``WORK_DIR/attempts/WID/EXPERIMENT.INDEX.N.log``.
 With an object store (``--store``) it also copies the log there: every
 ``log_upload_s`` seconds while the attempt runs (only when the log grew), and
 once more when it ends. The copy is at ``logs/<namespace>/<wid>/<exp>/<index>/<n>.log``

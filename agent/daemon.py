@@ -31,6 +31,7 @@ from hypermesh.agent.burst_policy import BurstConfig
 from hypermesh.agent.chunk_share import ChunkShare
 from hypermesh.agent.claims import LocalLoad, choose_claims
 from hypermesh.agent.containers import Containers, image_for
+from hypermesh.agent.dirpool import DirPool
 from hypermesh.agent.gang_duty import GangDuty
 from hypermesh.agent.gossip import Gossip
 from hypermesh.agent.gossip_config import GossipConfig
@@ -109,6 +110,8 @@ class Agent:
             len(devices), cfg.gpu_type or (devices[0].name if devices else "")
         )
         self.work_dir = cfg.work_dir.resolve()
+        self.dirs = DirPool(self.work_dir / "spare-dirs")  # empty folders for attempts
+        self._workflow_dirs: set[str] = set()  # attempts/WID folders made by this run
         self.lease = 0
         self.election_lease = 0
         self.last_renewal = time.monotonic()
@@ -194,6 +197,8 @@ class Agent:
         from hypermesh.agent.server import AgentServicer
 
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "checkpoints").mkdir(exist_ok=True)
+        self.dirs.open()
         use_pidfd_child_watcher()
         await self.etcd.connect()
         self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
@@ -670,7 +675,23 @@ class Agent:
 
     # ------------------------------------------------------------------ execution
     def attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
-        return self.work_dir / "attempts" / ref.id / str(attempt)
+        """The attempt's scratch folder (``HM_ATTEMPT_DIR``), beside its log."""
+        return self.work_dir / "attempts" / ref.workflow / f"{ref.experiment}.{ref.index}.{attempt}"
+
+    def attempt_log(self, ref: TaskRef, attempt: int) -> Path:
+        """The attempt's output: ``attempts/WID/EXPERIMENT.INDEX.N.log``."""
+        folder = self.attempt_dir(ref, attempt)
+        return folder.with_name(folder.name + ".log")
+
+    def open_attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
+        """Make the attempt's scratch folder (from the pool of empty ones) and its
+        workflow's folder, which also holds the logs; the scratch folder's path."""
+        path = self.attempt_dir(ref, attempt)
+        if ref.workflow not in self._workflow_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._workflow_dirs.add(ref.workflow)
+        self.dirs.make(path)
+        return path
 
     def _environment(self, ref: TaskRef, attempt: int, params: dict[str, Any]) -> dict[str, str]:
         wf = self.view.workflows[ref.workflow]
@@ -703,16 +724,22 @@ class Agent:
         if "HM_DATA" in env:
             checkpoints = Mounts.checkpoint_dir(Path(env["HM_DATA"]), ref.id)
             await asyncio.to_thread(checkpoints.mkdir, parents=True, exist_ok=True)
-        else:  # a local mkdir: no thread hop on the hot path of trivial tasks
-            checkpoints = self.work_dir / "checkpoints" / ref.id
-            checkpoints.mkdir(parents=True, exist_ok=True)
+        else:  # local: no thread hop on the hot path of trivial tasks
+            checkpoints = self.local_checkpoints(ref)
+            if not checkpoints.is_dir():
+                self.dirs.make(checkpoints)
         env["HM_CHECKPOINT_DIR"] = str(checkpoints)
         return env
+
+    def local_checkpoints(self, ref: TaskRef) -> Path:
+        """A task's checkpoint folder on this node, for tasks without data sets."""
+        return self.work_dir / "checkpoints" / ref.id
 
     async def _execute(self, r: Running) -> None:
         ref, n = r.plan.ref, r.plan.attempt
         started = r.started_at or time.time()
         try:
+            self.open_attempt_dir(ref, n)
             wf = self.view.workflows[ref.workflow]
             exp = wf.recipe.experiment(ref.experiment)
             params = self.view.tasks.get(ref, {}).get("params", {})
@@ -734,14 +761,13 @@ class Agent:
                 # The data set cannot be mounted here: the attempt fails (its log says
                 # why) and retries, if any, may run where the store answers.
                 self.decide(f"{ref} attempt {n}: data: {exc}")
-                log_path = self.attempt_dir(ref, n) / "output.log"
-                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log_path = self.attempt_log(ref, n)
                 log_path.write_text(f"hypermesh: cannot mount the task's data: {exc}\n")
                 outcome = Outcome("failed", None, "data", time.time())
                 await self._finish(r, exp.retries, started, outcome)
                 self.logs.after_end(ref, n, log_path)
                 return
-            log_path = self.attempt_dir(ref, n) / "output.log"
+            log_path = self.attempt_log(ref, n)
             image = image_for(exp.framework, exp.image)
             if image is not None:
                 commands, runtime = await self.containers.wrap(
@@ -768,6 +794,9 @@ class Agent:
         finally:
             self.running.pop(ref, None)
             self.gpu_pool.release(ref)
+            # Left empty (as trivial tasks leave them): back to the pool of folders.
+            self.dirs.recycle(self.attempt_dir(ref, n))
+            self.dirs.recycle(self.local_checkpoints(ref))
             self._wake.set()
 
     async def run_watched(

@@ -307,7 +307,8 @@ class GangDuty:
             await asyncio.to_thread(checkpoints.mkdir, parents=True, exist_ok=True)
             env["HM_CHECKPOINT_DIR"] = str(checkpoints)
         env.update(gang.rendezvous_env(ref, m.rank, rdv))
-        log_path = agent.attempt_dir(ref, n) / "output.log"
+        agent.open_attempt_dir(ref, n)
+        log_path = agent.attempt_log(ref, n)
         image = image_for(exp.framework, exp.image)
         if image is not None:
             commands, runtime = await agent.containers.wrap(

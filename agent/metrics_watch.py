@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -47,8 +48,10 @@ class _Tail:
     def lines(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
+                # read what is there, not MAX_READ: a 4 MiB buffer costs an mmap each time
+                size = os.fstat(f.fileno()).st_size
                 f.seek(self.offset)
-                data = f.read(MAX_READ)
+                data = f.read(min(MAX_READ, max(0, size - self.offset)))
         except FileNotFoundError:
             return []
         self.more = len(data) == MAX_READ
@@ -159,7 +162,7 @@ def attempt_watch(agent: Agent, r: Running, exp: Experiment, log_path: Path) -> 
 
     return MetricsWatch(
         log_path,
-        metrics_file(log_path.parent),
+        metrics_file(agent.attempt_dir(ref, n)),
         store,
         prune if exp.pruning and exp.objective else None,
     )

@@ -1,25 +1,38 @@
 """Running one attempt of a task as subprocesses.
 
 The commands of a task run in order, each as ``/bin/bash -c COMMAND`` in its own
-process group (so a stop reaches every child), with stdout and stderr appended to
-one log file. The first failing command ends the attempt. A stop (cancel, drain,
-timeout) sends SIGTERM to the group, then SIGKILL after the grace period.
+process group (so a stop reaches every child). The first failing command ends the
+attempt. A stop (cancel, drain, timeout) sends SIGTERM to the group, then SIGKILL
+after the grace period.
+
+Their stdout and stderr go to one pipe that the agent's event loop copies into the
+attempt's log file, as a container runtime's shim does. The file is made only when
+there is something to put in it: output, or the note of a failure or a timeout. A
+task that succeeds silently (most trivial tasks) leaves no file, because creating
+one is the dearest thing such an attempt costs the node (see ``dirpool``). The
+``[hypermesh] $ COMMAND`` line before each command is written only with the first
+output. When a command has exited the pipe is drained before the next one starts, so
+the log keeps the order; after the last one it is drained and closed, and a
+straggler that still writes gets EPIPE.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("hypermesh.agent")
 
 
 @dataclass(frozen=True)
@@ -71,25 +84,32 @@ class AttemptProcess:
             self._stopped.set()
 
     async def run(self) -> Outcome:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        with open(self.log_path, "ab", buffering=0) as log:
+        out = LazyLog(self.log_path)
+        try:
             if not self.cwd.is_dir():
-                log.write(f"[hypermesh] workdir {self.cwd} does not exist on this node\n".encode())
+                out.note(f"[hypermesh] workdir {self.cwd} does not exist on this node\n")
                 return Outcome("failed", 127, "exit", time.time())
-            for command in self.commands:
-                if self._stop_reason is not None:
-                    return self._stopped_outcome(None)
-                log.write(f"[hypermesh] $ {command}\n".encode())
-                code, timed_out = await self._run_one(command, log, deadline)
-                if timed_out:
-                    log.write(f"[hypermesh] timed out after {self.timeout:g}s\n".encode())
-                    return Outcome("failed", code, "timeout", time.time())
-                if self._stop_reason is not None:
-                    return self._stopped_outcome(code)
-                if code != 0:
-                    log.write(f"[hypermesh] exit code {code}\n".encode())
-                    return Outcome("failed", code, "exit", time.time())
+            with OutputPipe(out.write) as pipe:
+                return await self._run_all(out, pipe)
+        finally:
+            out.close()
+
+    async def _run_all(self, out: LazyLog, pipe: OutputPipe) -> Outcome:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        for command in self.commands:
+            if self._stop_reason is not None:
+                return self._stopped_outcome(None)
+            out.header(f"[hypermesh] $ {command}\n")
+            code, timed_out = await self._run_one(command, pipe.write_fd, deadline)
+            pipe.drain()
+            if timed_out:
+                out.note(f"[hypermesh] timed out after {self.timeout:g}s\n")
+                return Outcome("failed", code, "timeout", time.time())
+            if self._stop_reason is not None:
+                return self._stopped_outcome(code)
+            if code != 0:
+                out.note(f"[hypermesh] exit code {code}\n")
+                return Outcome("failed", code, "exit", time.time())
         return Outcome("succeeded", 0, "exit", time.time())
 
     def _stopped_outcome(self, code: int | None) -> Outcome:
@@ -98,7 +118,7 @@ class AttemptProcess:
         state = {"cancelled": "cancelled", "pruned": "succeeded"}.get(reason, "failed")
         return Outcome(state, code, reason, time.time())
 
-    async def _spawn(self, command: str, log: object) -> tuple[Any, asyncio.Future[int]]:
+    async def _spawn(self, command: str, log: int) -> tuple[Any, asyncio.Future[int]]:
         """Start ``bash -c command``; the process and a future of its exit status.
 
         Where the kernel has pidfds the exit is read from the event loop (one fd
@@ -107,13 +127,13 @@ class AttemptProcess:
         args = ["/bin/bash", "-c", command]
         if not _HAVE_PIDFD:
             proc = await asyncio.create_subprocess_exec(
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=log,  # type: ignore[arg-type]
+                *args, stdin=asyncio.subprocess.DEVNULL, stdout=log,
                 stderr=asyncio.subprocess.STDOUT, cwd=self.cwd, env=self.env,
                 start_new_session=True,
             )
             return proc, asyncio.ensure_future(proc.wait())
         popen = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log,  # type: ignore[arg-type]
+            args, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT, cwd=self.cwd, env=self.env, start_new_session=True,
         )
         loop = asyncio.get_running_loop()
@@ -130,7 +150,7 @@ class AttemptProcess:
         loop.add_reader(pidfd, reap)
         return popen, exited
 
-    async def _run_one(self, command: str, log: object, deadline: float | None) -> tuple[int, bool]:
+    async def _run_one(self, command: str, log: int, deadline: float | None) -> tuple[int, bool]:
         proc, waiter = await self._spawn(command, log)
         self._proc = proc
         stopper = asyncio.ensure_future(self._stopped.wait())
@@ -156,6 +176,82 @@ class AttemptProcess:
             await waiter
         # Children that ignored SIGTERM and outlived their parent still die.
         _signal_group(proc.pid, signal.SIGKILL)
+
+
+class LazyLog:
+    """An attempt's log file, made at the first byte that goes into it. Header lines
+    wait for output to follow them; notes (failures, timeouts) are written at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: Any = None
+        self._pending: list[bytes] = []
+        self._broken = False
+
+    def header(self, text: str) -> None:
+        if self._file is None:
+            self._pending = [text.encode()]  # only the running command's line matters
+        else:
+            self._file.write(text.encode())
+
+    def note(self, text: str) -> None:
+        self.write(text.encode())
+
+    def write(self, data: bytes) -> None:
+        if self._broken:
+            return
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (see close)
+                for line in self._pending:
+                    self._file.write(line)
+                self._pending = []
+            self._file.write(data)
+        except OSError as exc:  # a full or broken disk: the task runs on, unlogged
+            self._broken = True
+            log.warning("attempt log %s: %s; the rest of its output is dropped", self.path, exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+PIPE_READ = 1 << 18
+"""Bytes read from an attempt's output pipe per wake-up."""
+
+
+class OutputPipe:
+    """The pipe an attempt's commands write to, copied to ``sink`` from the event loop."""
+
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self.sink = sink
+        self._read_fd, self.write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        os.set_blocking(self.write_fd, True)  # the tasks' end: writes wait when full
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._read_fd, self.drain)
+
+    def __enter__(self) -> OutputPipe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.remove_reader(self._read_fd)
+        os.close(self.write_fd)
+        self.drain()
+        os.close(self._read_fd)
+
+    def drain(self) -> None:
+        """Copy what is in the pipe now (never waits)."""
+        while True:
+            try:
+                data = os.read(self._read_fd, PIPE_READ)
+            except BlockingIOError:
+                return
+            if not data:
+                return
+            self.sink(data)
+            if len(data) < PIPE_READ:
+                return
 
 
 def _pidfd_works() -> bool:

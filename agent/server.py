@@ -6,7 +6,9 @@ Errors become gRPC status codes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -61,17 +63,20 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             ref = TaskRef.parse(request.task_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        base = a.work_dir / "attempts" / ref.id
+        # A silent attempt that succeeded has no log file (agent/runner.py).
+        ran_here = {n for n, at in a.view.attempts.get(ref, {}).items() if at.node == a.cfg.name}
         attempt = request.attempt
         if attempt <= 0:
-            ran = [int(p.name) for p in base.glob("*") if p.name.isdigit()] if base.is_dir() else []
+            ran = set(_attempts_logged(a.attempt_log(ref, 1))) | ran_here
             if not ran:
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND, f"node {a.cfg.name} has no log of task {ref}"
                 )
             attempt = max(ran)
-        path = base / str(attempt) / "output.log"
+        path = a.attempt_log(ref, attempt)
         if not path.exists() and not self._running(ref, attempt):
+            if attempt in ran_here:
+                return  # it ran here and wrote nothing
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"node {a.cfg.name} has no log of task {ref} attempt {attempt}",
@@ -179,3 +184,15 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             ],
             counters=self.agent.share.counters,
         )
+
+
+def _attempts_logged(first: Path) -> list[int]:
+    """The attempts of a task whose logs are beside ``first`` (its attempt 1's log)."""
+    prefix = first.name.removesuffix("1.log")  # EXPERIMENT.INDEX.
+    try:
+        with os.scandir(first.parent) as entries:
+            names = [e.name for e in entries if e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    middles = (name[len(prefix):].removesuffix(".log") for name in names if name.endswith(".log"))
+    return [int(m) for m in middles if m.isdigit()]

@@ -23,6 +23,7 @@ import psutil
 import pytest
 from hypermesh.chunkfs.store import S3Store
 
+from hypermesh.keyspace import TaskRef
 from hypermesh.localmesh import (
     AgentProcess,
     EtcdServer,
@@ -176,7 +177,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 def task_pid(agent: AgentProcess, task_id: str, attempt: int = 1, timeout: float = 30) -> int:
     """The pid a test task wrote to ``$HM_ATTEMPT_DIR/pid``, once it has started."""
-    pid_file = agent.work_dir / "attempts" / task_id / str(attempt) / "pid"
+    ref = TaskRef.parse(task_id)
+    folder = f"{ref.experiment}.{ref.index}.{attempt}"
+    pid_file = agent.work_dir / "attempts" / ref.workflow / folder / "pid"
     wait_for(
         lambda: pid_file.exists() and pid_file.read_text().strip(),
         timeout,

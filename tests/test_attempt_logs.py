@@ -75,9 +75,15 @@ experiments:
 
 def test_agent_without_store_keeps_logs_on_its_disk(mesh: Mesh) -> None:
     mesh.agent("node1")
-    recipe = mesh.write_recipe('experiments:\n  say: {command: ["echo hello-disk"]}\n')
+    recipe = mesh.write_recipe(
+        'experiments:\n  say: {command: ["echo hello-disk"]}\n  quiet: {command: ["true"]}\n'
+    )
     wid = mesh.submit(recipe, "--wait")
     assert "hello-disk" in mesh.hm("logs", f"{wid}.say.0", check=True).stdout
+    # A silent success leaves no file; its log reads as empty, not as missing.
+    assert not (mesh.agents["node1"].work_dir / "attempts" / wid / "quiet.0.1.log").exists()
+    for extra in ((), ("--attempt", "1")):
+        assert mesh.hm("logs", f"{wid}.quiet.0", *extra, check=True).stdout == ""
     as_json = mesh.hm_json("logs", f"{wid}.say.0")
     assert as_json["task"] == f"{wid}.say.0" and as_json["attempt"] == 1
     assert "hello-disk" in as_json["text"]
@@ -90,7 +96,7 @@ def test_agent_without_store_keeps_logs_on_its_disk(mesh: Mesh) -> None:
         env=env, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 1 and "is gone" in result.stderr, result.stderr
-    assert os.path.exists(mesh.agents["node1"].work_dir / "attempts" / f"{wid}.say.0")
+    assert os.path.exists(mesh.agents["node1"].work_dir / "attempts" / wid / "say.0.1.log")
 
 
 def test_a_follow_goes_on_from_the_store_when_the_node_dies(mesh: Mesh, store_url: str) -> None:

@@ -117,6 +117,48 @@ def test_the_log_is_appended_across_attempts(tmp_path: Path) -> None:
     assert log.index("first-1") < log.index("second-2")
 
 
+def test_the_log_keeps_each_command_line_before_its_output(tmp_path: Path) -> None:
+    run(attempt(tmp_path, ["true", "echo a", "true", "echo b >&2"]))
+    # nothing is written before the first output; from then on every line is
+    assert log_of(tmp_path) == (
+        "[hypermesh] $ echo a\na\n[hypermesh] $ true\n[hypermesh] $ echo b >&2\nb\n"
+    )
+
+
+def test_a_silent_success_leaves_no_log_file(tmp_path: Path) -> None:
+    outcome = run(attempt(tmp_path, ["true", ": nothing to say"]))
+    assert outcome.state == "succeeded"
+    assert not (tmp_path / "logs" / "attempt.log").exists()
+
+
+def test_a_silent_failure_is_logged_with_its_command(tmp_path: Path) -> None:
+    outcome = run(attempt(tmp_path, ["true", "exit 4"]))
+    assert (outcome.state, outcome.exit_code) == ("failed", 4)
+    assert log_of(tmp_path) == "[hypermesh] $ exit 4\n[hypermesh] exit code 4\n"
+
+
+def test_output_larger_than_the_pipe_arrives_whole_and_in_order(tmp_path: Path) -> None:
+    lines = 200_000  # about 1.3 MB: many times a pipe's buffer, so the task waits on it
+    outcome = run(attempt(tmp_path, [f"seq {lines}", "echo done"]))
+    assert outcome.state == "succeeded"
+    text = log_of(tmp_path).splitlines()
+    assert text[1 : lines + 1] == [str(i) for i in range(1, lines + 1)]
+    assert text[-2:] == ["[hypermesh] $ echo done", "done"]
+
+
+def test_a_straggler_writing_after_the_attempt_ended_does_not_hold_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "straggler.pid"
+    command = f"(echo $BASHPID > {q(pid_file)}; exec sleep 30) & echo main"
+    try:
+        # bounded by DEADLINE: the attempt ends with its command, not with the straggler
+        outcome = run(attempt(tmp_path, [command]))
+        assert outcome.state == "succeeded"
+        assert log_of(tmp_path) == f"[hypermesh] $ {command}\nmain\n"
+    finally:
+        asyncio.run(wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != ""))
+        os.kill(int(pid_file.read_text()), 9)
+
+
 def test_commands_read_no_stdin(tmp_path: Path) -> None:
     outcome = run(attempt(tmp_path, ["read line; echo read-status-$?", "cat"]))
     assert outcome.state == "succeeded"

@@ -230,7 +230,7 @@ def test_parameter_value_is_data_not_shell(mesh: Mesh, tmp_path: Path) -> None:
     wid = result.stdout.split()[-1]
     work = mesh.agents["node1"].work_dir
     seen = sorted(
-        (work / "attempts" / f"{wid}.inject.{i}" / "1" / "argv").read_text()
+        (work / "attempts" / wid / f"inject.{i}.1" / "argv").read_text()
         for i in range(len(values))
     )
     assert seen == sorted(f"{v}|" for v in values)  # each value arrived as exactly one argument
