@@ -112,6 +112,9 @@ class Agent:
         self.work_dir = cfg.work_dir.resolve()
         self.dirs = DirPool(self.work_dir / "spare-dirs")  # empty folders for attempts
         self._workflow_dirs: set[str] = set()  # attempts/WID folders made by this run
+        self._attempts = str(self.work_dir / "attempts")
+        # (workflow, experiment) -> (its recipe, the environment its tasks share)
+        self._task_env: dict[tuple[str, str], tuple[object, dict[str, str]]] = {}
         self.lease = 0
         self.election_lease = 0
         self.last_renewal = time.monotonic()
@@ -632,6 +635,8 @@ class Agent:
             batch = min(self.cfg.claim_batch, 100 // ClaimPlan.OPS)
             if self.view.revision < self.written_revision:
                 return  # the watch will bring our own writes and wake us
+            if not self.view.open_task_by_task():
+                return  # all open work is in blocks, started above
             load = self._load()
             me = self.record()
             placement = self.locality.placement(self.view) if self.locality else None
@@ -676,12 +681,11 @@ class Agent:
     # ------------------------------------------------------------------ execution
     def attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
         """The attempt's scratch folder (``HM_ATTEMPT_DIR``), beside its log."""
-        return self.work_dir / "attempts" / ref.workflow / f"{ref.experiment}.{ref.index}.{attempt}"
+        return Path(f"{self._attempts}/{ref.workflow}/{ref.experiment}.{ref.index}.{attempt}")
 
     def attempt_log(self, ref: TaskRef, attempt: int) -> Path:
         """The attempt's output: ``attempts/WID/EXPERIMENT.INDEX.N.log``."""
-        folder = self.attempt_dir(ref, attempt)
-        return folder.with_name(folder.name + ".log")
+        return Path(f"{self._attempts}/{ref.workflow}/{ref.experiment}.{ref.index}.{attempt}.log")
 
     def open_attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
         """Make the attempt's scratch folder (from the pool of empty ones) and its
@@ -695,11 +699,18 @@ class Agent:
 
     def _environment(self, ref: TaskRef, attempt: int, params: dict[str, Any]) -> dict[str, str]:
         wf = self.view.workflows[ref.workflow]
-        exp = wf.recipe.experiment(ref.experiment)
-        env = dict(self.base_env)
-        env.update({k: str(v) for k, v in dict(wf.recipe.env).items()})
-        env.update({k: str(v) for k, v in dict(exp.env).items()})
+        shared = self._task_env.get((ref.workflow, ref.experiment))
+        if shared is None or shared[0] is not wf.recipe:
+            exp = wf.recipe.experiment(ref.experiment)
+            base = dict(self.base_env)
+            base.update({k: str(v) for k, v in dict(wf.recipe.env).items()})
+            base.update({k: str(v) for k, v in dict(exp.env).items()})
+            if len(self._task_env) >= 256:
+                self._task_env.clear()
+            shared = self._task_env[(ref.workflow, ref.experiment)] = (wf.recipe, base)
+        env = dict(shared[1])
         env.update(param_env(params))
+        folder = str(self.attempt_dir(ref, attempt))
         env.update(
             HM_WORKFLOW_ID=ref.workflow,
             HM_EXPERIMENT=ref.experiment,
@@ -707,8 +718,8 @@ class Agent:
             HM_TASK_INDEX=str(ref.index),
             HM_ATTEMPT=str(attempt),
             HM_NODE=self.cfg.name,
-            HM_ATTEMPT_DIR=str(self.attempt_dir(ref, attempt)),
-            HM_METRICS_FILE=str(metrics_file(self.attempt_dir(ref, attempt))),
+            HM_ATTEMPT_DIR=folder,
+            HM_METRICS_FILE=str(metrics_file(Path(folder))),
         )
         return env
 
@@ -807,11 +818,11 @@ class Agent:
         ref, n = r.plan.ref, r.plan.attempt
         copier = self.logs.while_running(ref, n, log_path)
         watch = attempt_watch(self, r, exp, log_path)
-        follower = asyncio.create_task(watch.follow(lambda: process.stop("pruned")))
+        stop_following = watch.follow_later(lambda: process.stop("pruned"))
         try:
             outcome = await process.run()
         finally:
-            follower.cancel()
+            stop_following()
             if copier is not None:
                 copier.cancel()
         try:

@@ -111,11 +111,31 @@ class MetricsWatch:
         self._stored_reports = count
         self._stored_at = now
 
-    async def follow(self, on_prune: Callable[[], None]) -> None:
+    def follow_later(self, on_prune: Callable[[], None]) -> Callable[[], None]:
+        """``follow`` from one poll period on; the function returned stops it. Most
+        trivial attempts end before that, and no task is ever made for them."""
+        loop = asyncio.get_running_loop()
+        started: list[asyncio.Task[None]] = []
+
+        def start() -> None:
+            started.append(loop.create_task(self.follow(on_prune, wait_first=False)))
+
+        handle = loop.call_later(POLL_S, start)
+
+        def stop() -> None:
+            handle.cancel()
+            for task in started:
+                task.cancel()
+
+        return stop
+
+    async def follow(self, on_prune: Callable[[], None], wait_first: bool = True) -> None:
         """Poll until cancelled; call ``on_prune`` once if the search stops the trial."""
         pruned = False
         while True:
-            await asyncio.sleep(POLL_S)
+            if wait_first:
+                await asyncio.sleep(POLL_S)
+            wait_first = True
             changed = self.read()
             try:
                 await self.flush()

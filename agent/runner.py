@@ -66,7 +66,7 @@ class AttemptProcess:
         self.timeout = timeout
         self.grace = grace
         self._stop_reason: str | None = None
-        self._stopped = asyncio.Event()
+        self._woken: asyncio.Future[str] | None = None  # what a running command awaits
         self._proc: Any = None  # subprocess.Popen, or asyncio's Process without pidfds
 
     @property
@@ -81,7 +81,7 @@ class AttemptProcess:
             self._stop_reason = reason
             if grace is not None:
                 self.grace = grace
-            self._stopped.set()
+            _settle(self._woken, "stop")
 
     async def run(self) -> Outcome:
         out = LazyLog(self.log_path)
@@ -151,21 +151,30 @@ class AttemptProcess:
         return popen, exited
 
     async def _run_one(self, command: str, log: int, deadline: float | None) -> tuple[int, bool]:
-        proc, waiter = await self._spawn(command, log)
+        """Run one command until it exits, the attempt is stopped or ``deadline``
+        passes; its exit status and whether it timed out. One future is awaited, settled
+        by whichever comes first (no task or ``asyncio.wait`` per command)."""
+        proc, exited = await self._spawn(command, log)
         self._proc = proc
-        stopper = asyncio.ensure_future(self._stopped.wait())
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            done, _ = await asyncio.wait(
-                {waiter, stopper}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            stopper.cancel()
-        if waiter in done:
-            return waiter.result(), False
-        timed_out = stopper not in done
-        await self._terminate(proc, waiter)
-        return waiter.result(), timed_out
+        why = "stop"
+        if self._stop_reason is None:
+            loop = asyncio.get_running_loop()
+            woken = self._woken = loop.create_future()
+            exited.add_done_callback(lambda _: _settle(woken, "exited"))
+            timer = None
+            if deadline is not None:
+                delay = max(0.0, deadline - time.monotonic())
+                timer = loop.call_later(delay, _settle, woken, "timeout")
+            try:
+                why = await woken
+            finally:
+                self._woken = None
+                if timer is not None:
+                    timer.cancel()
+        if why == "exited":
+            return exited.result(), False
+        await self._terminate(proc, exited)
+        return exited.result(), why == "timeout"
 
     async def _terminate(self, proc: Any, waiter: asyncio.Future[int]) -> None:
         _signal_group(proc.pid, signal.SIGTERM)
@@ -252,6 +261,11 @@ class OutputPipe:
             self.sink(data)
             if len(data) < PIPE_READ:
                 return
+
+
+def _settle(future: asyncio.Future[str] | None, why: str) -> None:
+    if future is not None and not future.done():
+        future.set_result(why)
 
 
 def _pidfd_works() -> bool:

@@ -538,6 +538,11 @@ class MeshView:
         """Whether the experiment's tasks were written in blocks."""
         return bool(self.blocks.get((wid, experiment)))
 
+    def open_task_by_task(self) -> bool:
+        """Whether any experiment has open tasks that are claimed one by one (not in
+        blocks): when none has, a node with free slots has no per-task claim to try."""
+        return any(indices and not self.blocks.get(key) for key, indices in self.open.items())
+
     def block_firsts(self, wid: str, experiment: str) -> list[int]:
         """The first indices of the experiment's blocks, in order."""
         key = (wid, experiment)
