@@ -194,12 +194,12 @@ class LazyLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: Any = None
-        self._pending: list[bytes] = []
+        self._pending = b""  # the running command's header line, until output follows
         self._broken = False
 
     def header(self, text: str) -> None:
         if self._file is None:
-            self._pending = [text.encode()]  # only the running command's line matters
+            self._pending = text.encode()
         else:
             self._file.write(text.encode())
 
@@ -213,9 +213,7 @@ class LazyLog:
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (see close)
-                for line in self._pending:
-                    self._file.write(line)
-                self._pending = []
+                self._file.write(self._pending)
             self._file.write(data)
         except OSError as exc:  # a full or broken disk: the task runs on, unlogged
             self._broken = True

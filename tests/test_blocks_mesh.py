@@ -1,6 +1,6 @@
 """Batched experiments on real agents and a real etcd: tasks claimed block by block and
 recorded in fenced batches keep every per-task guarantee (hypermesh/blocks.py). The death
-of a block's holder is tested beside the per-task case in test_mesh.py.
+of a block's holder and a spot notice are tested beside the per-task case in test_mesh.py.
 
 Each test forces blocks with the recipe's ``batch``; deaths are SIGKILL of an agent and
 of every process it started, pauses SIGSTOP past the lease."""
@@ -8,16 +8,14 @@ of every process it started, pauses SIGSTOP past the lease."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import time
 
 from hypermesh.etcd import Etcd, parse_endpoints
 from hypermesh.keyspace import Keyspace
 from hypermesh.localmesh import wait_for
 from tests.conftest import Mesh, process_gone, task_pid
-from tests.test_mesh import _Metadata, metadata, successes  # noqa: F401 (fixture)
+from tests.test_mesh import successes
 
 
 def keys_of(mesh: Mesh, kind: str, wid: str) -> list[str]:
@@ -124,43 +122,6 @@ experiments:
     assert status["state"] == "succeeded"
     (task,) = [t for t in mesh.hm_json("tasks", wid) if t["index"] == 4]
     assert [a["state"] for a in task["attempts"]] == ["failed", "failed", "succeeded"]
-
-
-def test_a_spot_notice_gives_the_block_back_at_once(
-    mesh: Mesh, metadata: tuple[str, type[_Metadata]]  # noqa: F811
-) -> None:
-    url, handler = metadata
-    spot = mesh.agent(
-        "spot1", extra=("--spot", "--spot-notice-url", url, "--lease-ttl", "30", "--grace", "1")
-    )
-    recipe = mesh.write_recipe(
-        """
-experiments:
-  move:
-    samples: 2
-    batch: 2
-    command: ['if [ "$HM_NODE" = spot1 ]; then exec sleep 120; fi; echo moved']
-"""
-    )
-    wid = mesh.submit(recipe)
-    wait_for(lambda: "running" in [t["state"] for t in mesh.hm_json("tasks", wid)], 30,
-             "a task to run")
-    mesh.agent("ondemand1")
-    deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
-    handler.notice = json.dumps({"action": "terminate", "time": deadline}).encode()
-    noticed = time.time()
-    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=30)
-    assert status["state"] == "succeeded"
-    tasks = mesh.hm_json("tasks", wid)
-    assert all(successes(t) == 1 for t in tasks)
-    moved = [t for t in tasks if t["attempts"][0]["node"] == "spot1"]
-    assert moved
-    for t in moved:
-        first, second = t["attempts"]
-        assert (first["reason"], second["node"]) == ("preempted", "ondemand1")
-        # Given back at once: far sooner than the spot node's 30 s lease would expire.
-        assert second["started_at"] - noticed < 10
-    assert spot.terminate(timeout=30) == 0
 
 
 def test_cancel_stops_a_held_block(mesh: Mesh) -> None:
