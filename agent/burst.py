@@ -185,7 +185,7 @@ class BurstDuty:
     async def _mark_registered(self) -> None:
         view = self.agent.view
         for name, record in list(view.instances.items()):
-            if record.get("state") == "starting" and name in view.nodes:
+            if record.get("state") == "starting" and name in view.nodes:  # still up
                 await self._put_record(name, record | {"state": "running"})
 
     async def _launch(self, action: Launch, pool: Pool, now: float) -> None:

@@ -114,8 +114,14 @@ def starting(view: MeshView, now: float) -> tuple[Starting, ...]:
         Starting(name, str(i.get("pool")), bool(i.get("spot")),
                  now - float(i.get("requested_at", now)))
         for name, i in sorted(view.instances.items())
-        if i.get("state") == "starting" and name not in view.nodes
+        if i.get("state") == "starting" and not registered(view, name)
     )
+
+
+def registered(view: MeshView, name: str) -> bool:
+    """Whether provisioned node ``name`` registered: it is, or the view saw it (a node
+    preempted between two burst ticks registered without the leader marking it)."""
+    return name in view.nodes or name in view.booted
 
 
 def vanished(view: MeshView) -> tuple[tuple[str, str], ...]:
@@ -124,7 +130,9 @@ def vanished(view: MeshView) -> tuple[tuple[str, str], ...]:
     return tuple(
         (name, str(i.get("pool")))
         for name, i in sorted(view.instances.items())
-        if i.get("state") == "running" and name not in view.nodes
+        if name not in view.nodes and (
+            i.get("state") == "running" or (i.get("state") == "starting" and name in view.booted)
+        )
     )
 
 

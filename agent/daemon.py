@@ -110,9 +110,11 @@ class Agent:
             len(devices), cfg.gpu_type or (devices[0].name if devices else "")
         )
         self.work_dir = cfg.work_dir.resolve()
+        self._work_dir = str(self.work_dir)
         self.dirs = DirPool(self.work_dir / "spare-dirs")  # empty folders for attempts
         self._workflow_dirs: set[str] = set()  # attempts/WID folders made by this run
         self._attempts = str(self.work_dir / "attempts")
+        self._checkpoints = str(self.work_dir / "checkpoints")
         # (workflow, experiment) -> (its recipe, the environment its tasks share)
         self._task_env: dict[tuple[str, str], tuple[object, dict[str, str]]] = {}
         self.lease = 0
@@ -681,23 +683,32 @@ class Agent:
     # ------------------------------------------------------------------ execution
     def attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
         """The attempt's scratch folder (``HM_ATTEMPT_DIR``), beside its log."""
-        return Path(f"{self._attempts}/{ref.workflow}/{ref.experiment}.{ref.index}.{attempt}")
+        return Path(self.attempt_path(ref, attempt))
+
+    def attempt_path(self, ref: TaskRef, attempt: int) -> str:
+        # Strings on the path of every attempt: pathlib costs more than the rest of it.
+        return f"{self._attempts}/{ref.workflow}/{ref.experiment}.{ref.index}.{attempt}"
 
     def attempt_log(self, ref: TaskRef, attempt: int) -> Path:
         """The attempt's output: ``attempts/WID/EXPERIMENT.INDEX.N.log``."""
-        return Path(f"{self._attempts}/{ref.workflow}/{ref.experiment}.{ref.index}.{attempt}.log")
+        return Path(f"{self.attempt_path(ref, attempt)}.log")
 
     def open_attempt_dir(self, ref: TaskRef, attempt: int) -> Path:
         """Make the attempt's scratch folder (from the pool of empty ones) and its
         workflow's folder, which also holds the logs; the scratch folder's path."""
-        path = self.attempt_dir(ref, attempt)
+        return Path(self._open_attempt_path(ref, attempt))
+
+    def _open_attempt_path(self, ref: TaskRef, attempt: int) -> str:
+        path = self.attempt_path(ref, attempt)
         if ref.workflow not in self._workflow_dirs:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(f"{self._attempts}/{ref.workflow}", exist_ok=True)
             self._workflow_dirs.add(ref.workflow)
         self.dirs.make(path)
         return path
 
-    def _environment(self, ref: TaskRef, attempt: int, params: dict[str, Any]) -> dict[str, str]:
+    def _environment(
+        self, ref: TaskRef, attempt: int, params: dict[str, Any], folder: str
+    ) -> dict[str, str]:
         wf = self.view.workflows[ref.workflow]
         shared = self._task_env.get((ref.workflow, ref.experiment))
         if shared is None or shared[0] is not wf.recipe:
@@ -710,7 +721,6 @@ class Agent:
             shared = self._task_env[(ref.workflow, ref.experiment)] = (wf.recipe, base)
         env = dict(shared[1])
         env.update(param_env(params))
-        folder = str(self.attempt_dir(ref, attempt))
         env.update(
             HM_WORKFLOW_ID=ref.workflow,
             HM_EXPERIMENT=ref.experiment,
@@ -719,7 +729,7 @@ class Agent:
             HM_ATTEMPT=str(attempt),
             HM_NODE=self.cfg.name,
             HM_ATTEMPT_DIR=folder,
-            HM_METRICS_FILE=str(metrics_file(Path(folder))),
+            HM_METRICS_FILE=metrics_file(folder),
         )
         return env
 
@@ -735,22 +745,27 @@ class Agent:
         if "HM_DATA" in env:
             checkpoints = Mounts.checkpoint_dir(Path(env["HM_DATA"]), ref.id)
             await asyncio.to_thread(checkpoints.mkdir, parents=True, exist_ok=True)
+            env["HM_CHECKPOINT_DIR"] = str(checkpoints)
         else:  # local: no thread hop on the hot path of trivial tasks
-            checkpoints = self.local_checkpoints(ref)
-            if not checkpoints.is_dir():
-                self.dirs.make(checkpoints)
-        env["HM_CHECKPOINT_DIR"] = str(checkpoints)
+            local = self._checkpoint_path(ref)
+            if not os.path.isdir(local):
+                self.dirs.make(local)
+            env["HM_CHECKPOINT_DIR"] = local
         return env
 
     def local_checkpoints(self, ref: TaskRef) -> Path:
         """A task's checkpoint folder on this node, for tasks without data sets."""
-        return self.work_dir / "checkpoints" / ref.id
+        return Path(self._checkpoint_path(ref))
+
+    def _checkpoint_path(self, ref: TaskRef) -> str:
+        return f"{self._checkpoints}/{ref.id}"
 
     async def _execute(self, r: Running) -> None:
         ref, n = r.plan.ref, r.plan.attempt
         started = r.started_at or time.time()
+        folder = self.attempt_path(ref, n)
         try:
-            self.open_attempt_dir(ref, n)
+            self._open_attempt_path(ref, n)
             wf = self.view.workflows[ref.workflow]
             exp = wf.recipe.experiment(ref.experiment)
             params = self.view.tasks.get(ref, {}).get("params", {})
@@ -762,7 +777,7 @@ class Agent:
                 "attempt": n,
             }
             commands = [render(c, values) for c in exp.command]
-            env = self._environment(ref, n, params)
+            env = self._environment(ref, n, params, folder)
             # Exactly the GPUs booked for it (none: every GPU hidden), in NVML's order.
             env.update(CUDA_VISIBLE_DEVICES=visible_devices(r.devices),
                        CUDA_DEVICE_ORDER="PCI_BUS_ID")
@@ -789,7 +804,7 @@ class Agent:
             process = r.process = AttemptProcess(
                 commands,
                 env=env,
-                cwd=Path(wf.workdir or self.work_dir),
+                cwd=wf.workdir or self._work_dir,
                 log_path=log_path,
                 timeout=exp.timeout,
                 grace=self.cfg.kill_grace,
@@ -806,8 +821,8 @@ class Agent:
             self.running.pop(ref, None)
             self.gpu_pool.release(ref)
             # Left empty (as trivial tasks leave them): back to the pool of folders.
-            self.dirs.recycle(self.attempt_dir(ref, n))
-            self.dirs.recycle(self.local_checkpoints(ref))
+            self.dirs.recycle(folder)
+            self.dirs.recycle(self._checkpoint_path(ref))
             self._wake.set()
 
     async def run_watched(

@@ -28,7 +28,7 @@ KEEP = 64
 """Most folders kept: more than a node's slots, far fewer than its attempts."""
 
 
-def is_empty_dir(path: Path) -> bool:
+def is_empty_dir(path: str | Path) -> bool:
     try:
         with os.scandir(path) as entries:
             return next(entries, None) is None
@@ -39,6 +39,7 @@ def is_empty_dir(path: Path) -> bool:
 class DirPool:
     def __init__(self, root: Path, keep: int = KEEP) -> None:
         self.root = root
+        self._root = str(root)
         self.keep = keep
         self._free: list[str] = []
         self._next = 0
@@ -59,7 +60,7 @@ class DirPool:
     def __len__(self) -> int:
         return len(self._free)
 
-    def make(self, path: Path) -> None:
+    def make(self, path: str | Path) -> None:
         """Make ``path`` (whose parent exists) an empty folder: a pooled one when
         there is one, else a new one. A folder already there is kept as it is."""
         while self._free:
@@ -76,12 +77,12 @@ class DirPool:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
 
-    def recycle(self, path: Path) -> bool:
+    def recycle(self, path: str | Path) -> bool:
         """Move ``path`` into the pool if it is an empty folder and the pool has room;
         whether it moved."""
         if len(self._free) >= self.keep or not is_empty_dir(path):
             return False
-        spare = str(self.root / str(self._next))
+        spare = f"{self._root}/{self._next}"
         try:
             os.rename(path, spare)
         except OSError:

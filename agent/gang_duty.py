@@ -299,7 +299,7 @@ class GangDuty:
         commands = [render(c, values) for c in exp.command]
         workdir = Path(wf.workdir or agent.work_dir)
         devices = self.devices.get(ref, [])
-        env = agent._environment(ref, n, params)
+        env = agent._environment(ref, n, params, agent.attempt_path(ref, n))
         env.update(CUDA_VISIBLE_DEVICES=visible_devices(devices), CUDA_DEVICE_ORDER="PCI_BUS_ID")
         env.update(await agent._data_environment(ref, dict(exp.data)))
         if not exp.data:

@@ -38,7 +38,7 @@ MAX_READ = 4 << 20  # bytes read per poll and file; the rest waits for the next 
 class _Tail:
     """New complete lines of a growing file, from where the last read stopped."""
 
-    def __init__(self, path: Path, marker: bytes = b"") -> None:
+    def __init__(self, path: str | Path, marker: bytes = b"") -> None:
         self.path = path
         self.marker = marker  # only lines holding it matter (b"": every line)
         self.offset = 0
@@ -74,8 +74,8 @@ class MetricsWatch:
 
     def __init__(
         self,
-        log_path: Path,
-        metrics_path: Path,
+        log_path: str | Path,
+        metrics_path: str | Path,
         store: Callable[[bytes], Awaitable[object]],
         prune: Callable[[AttemptMetrics], Awaitable[bool]] | None = None,
     ) -> None:
@@ -182,12 +182,12 @@ def attempt_watch(agent: Agent, r: Running, exp: Experiment, log_path: Path) -> 
 
     return MetricsWatch(
         log_path,
-        metrics_file(agent.attempt_dir(ref, n)),
+        metrics_file(agent.attempt_path(ref, n)),
         store,
         prune if exp.pruning and exp.objective else None,
     )
 
 
-def metrics_file(attempt_dir: Path) -> Path:
+def metrics_file(attempt_dir: str | Path) -> str:
     """Where ``$HM_METRICS_FILE`` points for an attempt."""
-    return attempt_dir / "metrics.jsonl"
+    return f"{attempt_dir}/metrics.jsonl"

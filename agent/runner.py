@@ -54,7 +54,7 @@ class AttemptProcess:
         commands: Sequence[str],
         *,
         env: Mapping[str, str],
-        cwd: Path,
+        cwd: str | Path,
         log_path: Path,
         timeout: float | None,
         grace: float,
@@ -86,7 +86,7 @@ class AttemptProcess:
     async def run(self) -> Outcome:
         out = LazyLog(self.log_path)
         try:
-            if not self.cwd.is_dir():
+            if not os.path.isdir(self.cwd):
                 out.note(f"[hypermesh] workdir {self.cwd} does not exist on this node\n")
                 return Outcome("failed", 127, "exit", time.time())
             with OutputPipe(out.write) as pipe:

@@ -29,7 +29,7 @@ Pure: no I/O. The transactions are in ``hypermesh.block_txns``, the holder in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from hypermesh.recipe import Experiment
@@ -75,12 +75,11 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int:
 
 
 # ---------------------------------------------------------------- batch values
-@dataclass(frozen=True)
-class AttemptEntry:
+class AttemptEntry(NamedTuple):
     """One attempt record in a batch (a start, an end, or a lost attempt). ``node``
     is where it ran when that is not the batch's writer (a lost attempt)."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose
     attempt: int
     state: str
     exit_code: int | None = None
@@ -101,11 +100,10 @@ class AttemptEntry:
                    ended_at, str(node[0]) if node else None)
 
 
-@dataclass(frozen=True)
-class ResultEntry:
+class ResultEntry(NamedTuple):
     """A task's final outcome in a batch."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose
     state: str
     attempt: int
     exit_code: int | None

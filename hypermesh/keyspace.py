@@ -53,15 +53,14 @@ namespace never sees it (it changes with every cold chunk read):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 # Node names may also hold dots (host names such as ip-10-0-0-1.ec2.internal).
 NODE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,252}")
 
 
-@dataclass(frozen=True, order=True)
-class BlockRef:
+class BlockRef(NamedTuple):
     """Names one block of a batched experiment: its tasks are ``first``, ``first+1``..."""
 
     workflow: str
@@ -79,13 +78,15 @@ class BlockRef:
         return f"{self.workflow}.{self.experiment}[{self.first}..]"
 
 
-@dataclass(frozen=True, order=True)
-class TaskRef:
-    """Names one task: workflow id, experiment name and index within the experiment."""
+class TaskRef(NamedTuple):
+    """Names one task: workflow id, experiment name and index within the experiment.
+
+    A named tuple rather than a dataclass: views hash and build refs tens of times per
+    task, and a tuple's hash, equality and construction run in C."""
 
     workflow: str
     experiment: str
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose
 
     @property
     def id(self) -> str:

@@ -12,7 +12,7 @@ import json
 import logging
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from hypermesh.blocks import Batch
 from hypermesh.errors import HypermeshError
@@ -102,8 +102,7 @@ class WorkflowRecord:
         )
 
 
-@dataclass(frozen=True)
-class Claim:
+class Claim(NamedTuple):
     """A node's claim on a task for one attempt; ``revision`` fences later writes."""
 
     node: str
@@ -114,8 +113,7 @@ class Claim:
     revision: int = 0
 
 
-@dataclass(frozen=True)
-class Attempt:
+class Attempt(NamedTuple):
     """One try at running a task. ``state`` is running until the attempt ends."""
 
     attempt: int
@@ -139,8 +137,7 @@ class Attempt:
         }
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     """A task's one final outcome."""
 
     state: str
@@ -246,6 +243,9 @@ class MeshView:
         # pool declarations, provisioned nodes, node-seconds per pool and workflow.
         self.pools: dict[str, dict[str, Any]] = {}
         self.instances: dict[str, dict[str, Any]] = {}
+        # Provisioned nodes this view saw registered, even if gone again since: a spot
+        # node preempted within seconds of booting was up, not still booting.
+        self.booted: set[str] = set()
         self.usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
@@ -294,6 +294,8 @@ class MeshView:
             self.nodes.pop(parts[0], None)
         else:
             self.nodes[parts[0]] = NodeRecord.from_json(data)
+            if parts[0] in self.instances:
+                self.booted.add(parts[0])
 
     def _apply_elect(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:
@@ -332,6 +334,10 @@ class MeshView:
 
     def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         _put_or_pop(self.instances, parts[0], data)
+        if data is None:
+            self.booted.discard(parts[0])
+        elif parts[0] in self.nodes:
+            self.booted.add(parts[0])
 
     def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
@@ -488,51 +494,67 @@ class MeshView:
             return
         batch = Batch.from_json(data)
         self._batches[key] = (mrev, batch)
+        wid, exp = bref.workflow, bref.experiment
+        # Each task's raw state before the batch, to count its change once at the end.
+        prior: dict[TaskRef, str | None] = {}
+        raw_state = self._raw_state
+        indices = self._block_indices[bref]
         for a in batch.attempts:
-            ref = TaskRef(bref.workflow, bref.experiment, a.index)
-            known = self.attempts[ref].get(a.attempt)
+            ref = TaskRef(wid, exp, a.index)
+            if ref not in prior:
+                prior[ref] = raw_state(ref)
+            known_attempts = self.attempts[ref]
+            known = known_attempts.get(a.attempt)
             if known is None or known.revision <= mrev:
-                self.attempts[ref][a.attempt] = Attempt(
+                known_attempts[a.attempt] = Attempt(
                     a.attempt, a.node or batch.node, a.state, a.exit_code, a.reason, a.started_at,
-                    a.ended_at, revision=mrev,
+                    a.ended_at, mrev,
                 )
-            self._block_indices[bref].add(a.index)
-            touched.add(ref)
+            indices.add(a.index)
+        attempted = list(prior)
         for index, retry_from in batch.reopened:
-            ref = TaskRef(bref.workflow, bref.experiment, index)
+            ref = TaskRef(wid, exp, index)
             if self._reopened.get(ref, (0, 0))[0] < mrev:
                 self._reopened[ref] = (mrev, retry_from)
             if self._result_revisions.get(ref, mrev) < mrev:
-                before = self._raw_state(ref)
+                if ref not in prior:
+                    prior[ref] = raw_state(ref)
                 self.results.pop(ref, None)
                 self._result_revisions.pop(ref, None)
-                self._refresh_open(ref, before)
+        reopened = self._reopened
         for r in batch.results:
-            ref = TaskRef(bref.workflow, bref.experiment, r.index)
+            ref = TaskRef(wid, exp, r.index)
             self._block_of.setdefault(ref, bref)
-            if self._reopened.get(ref, (0, 0))[0] > mrev:
+            if reopened and reopened.get(ref, (0, 0))[0] > mrev:
                 continue  # reopened by a later retry
-            before = self._raw_state(ref)
+            if ref not in prior:
+                prior[ref] = raw_state(ref)
             self.results[ref] = Result(r.state, r.attempt, r.exit_code, r.ended_at)
             self._result_revisions[ref] = mrev
-            self._refresh_open(ref, before)
-        for ref in touched:
-            self._refresh_block_task(bref, ref)
+        holder = self.block_claims.get(bref)
+        for ref in attempted:
+            self._set_block_claim(ref, holder)
+        for ref, state in prior.items():
+            self._refresh_open(ref, state)
 
     def _refresh_block_task(self, bref: BlockRef, ref: TaskRef) -> None:
-        """A block task runs while its newest attempt is running on the block's holder."""
+        before = self._raw_state(ref)
+        self._set_block_claim(ref, self.block_claims.get(bref))
+        self._refresh_open(ref, before)
+
+    def _set_block_claim(self, ref: TaskRef, holder: Claim | None) -> None:
+        """A block task runs while its newest attempt is running on the block's holder
+        (``holder``): then it has a claim in ``claims``, else none. Counts are left to
+        the caller (``_refresh_open``)."""
         attempts = self.attempts.get(ref)
         latest = attempts[max(attempts)] if attempts else None
-        holder = self.block_claims.get(bref)
-        before = self._raw_state(ref)
         if latest is not None and latest.state == "running" and holder is not None and (
-            holder.node == latest.node and self.results.get(ref) is None
+            holder.node == latest.node and ref not in self.results
         ):
             self.claims[ref] = Claim(latest.node, latest.attempt, None, holder.lease,
                                      latest.started_at or holder.started_at, holder.revision)
         else:
             self.claims.pop(ref, None)
-        self._refresh_open(ref, before)
 
     def batched(self, wid: str, experiment: str) -> bool:
         """Whether the experiment's tasks were written in blocks."""

@@ -115,6 +115,23 @@ def test_starting_and_vanished_records() -> None:
     assert burst_view.vanished(feed.view) == (("cloud-3", "cloud"),)
 
 
+def test_a_node_gone_before_the_leader_marked_it_running_vanished() -> None:
+    """A spot node that registers and is preempted between two burst ticks stays
+    ``starting`` in its record; the view saw it up, so it is gone, not booting."""
+    feed = Feed()
+    feed.put(feed.ks.instance("cloud-1"), {"pool": "cloud", "spot": True, "state": "starting",
+                                           "requested_at": 90.0})
+    feed.put(feed.ks.instance("cloud-2"), {"pool": "cloud", "spot": True, "state": "starting",
+                                           "requested_at": 90.0})
+    node(feed, "cloud-1", pool="cloud")
+    feed.delete(feed.ks.node("cloud-1"))
+    assert burst_view.starting(feed.view, 100.0) == (Starting("cloud-2", "cloud", True, 10.0),)
+    assert burst_view.vanished(feed.view) == (("cloud-1", "cloud"),)
+    # Its record dropped (forgotten), nothing of it is left in the view.
+    feed.delete(feed.ks.instance("cloud-1"))
+    assert burst_view.vanished(feed.view) == () and "cloud-1" not in feed.view.booted
+
+
 def test_node_seconds_per_pool_and_workflow() -> None:
     feed = Feed()
     sweep(feed)
