@@ -47,13 +47,16 @@ class _Tail:
 
     def lines(self) -> list[str]:
         try:
-            with open(self.path, "rb") as f:
-                # read what is there, not MAX_READ: a 4 MiB buffer costs an mmap each time
-                size = os.fstat(f.fileno()).st_size
-                f.seek(self.offset)
-                data = f.read(min(MAX_READ, max(0, size - self.offset)))
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return []
+        try:
+            # read what is there, not MAX_READ: a 4 MiB buffer costs an mmap each time
+            size = os.fstat(fd).st_size
+            want = min(MAX_READ, size - self.offset)
+            data = os.pread(fd, want, self.offset) if want > 0 else b""
+        finally:
+            os.close(fd)
         self.more = len(data) == MAX_READ
         self.offset += len(data)
         data = self.partial + data

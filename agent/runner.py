@@ -133,7 +133,7 @@ class AttemptProcess:
             )
             return proc, asyncio.ensure_future(proc.wait())
         popen = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=log,
+            args, stdin=_devnull(), stdout=log,
             stderr=subprocess.STDOUT, cwd=self.cwd, env=self.env, start_new_session=True,
         )
         loop = asyncio.get_running_loop()
@@ -259,6 +259,18 @@ class OutputPipe:
             self.sink(data)
             if len(data) < PIPE_READ:
                 return
+
+
+_DEVNULL: int | None = None
+
+
+def _devnull() -> int:
+    """One read-only ``/dev/null`` descriptor for every task's stdin, rather than the
+    open and close that ``subprocess.DEVNULL`` costs per process."""
+    global _DEVNULL
+    if _DEVNULL is None:
+        _DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return _DEVNULL
 
 
 def _settle(future: asyncio.Future[str] | None, why: str) -> None:

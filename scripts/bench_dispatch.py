@@ -4,7 +4,9 @@ Each round runs both sides on this machine, alternating, so that both see the
 same noise:
 
 * hypermesh: a fresh :class:`~hypermesh.localmesh.LocalMesh` (a real etcd and
-  one agent with ``--slots`` slots); a recipe with one experiment of ``--tasks``
+  ``--agents`` agents with ``--slots`` slots each, started with the product's
+  default timings, ``--preset lan``, unless ``--preset local`` asks for the test
+  suite's fast ones); a recipe with one experiment of ``--tasks``
   samples whose command is ``true`` is submitted with ``hypermesh submit
   --wait``. The end-to-end figure is timed from just before ``submit`` starts to
   the moment it exits (CLI start-up and submit included, mesh start-up
@@ -17,8 +19,8 @@ same noise:
 The script prints medians and the ratios of medians; it asserts nothing about
 speed. Every process it starts is stopped before it returns.
 
-    .venv/bin/python scripts/bench_dispatch.py [--tasks 2000] [--slots 4]
-        [--rounds 3] [--no-fsync] [--json]
+    .venv/bin/python scripts/bench_dispatch.py [--tasks 2000] [--slots 4] [--agents 1]
+        [--rounds 3] [--preset lan|local] [--no-fsync] [--json]
 """
 
 from __future__ import annotations
@@ -159,12 +161,15 @@ def agent_span(rows: list[dict[str, Any]], tasks: int) -> float:
     return last - first
 
 
-def run_mesh_round(tasks: int, slots: int, fsync: bool, agents: int = 1) -> MeshRound:
+def run_mesh_round(
+    tasks: int, slots: int, fsync: bool, agents: int = 1, preset: str = "lan"
+) -> MeshRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-dispatch-") as tmp:
         root = Path(tmp)
         recipe = root / "dispatch.yaml"
         recipe.write_text(recipe_text(tasks))
-        mesh = LocalMesh(root / "mesh", agents=agents, slots=slots, fsync=fsync)
+        mesh = LocalMesh(root / "mesh", agents=agents, slots=slots, fsync=fsync,
+                         agent_args=["--preset", preset])
         with mesh:
             env = {**os.environ, **mesh.env()}
             _wait_for_leader(env)
@@ -266,6 +271,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="start etcd with --unsafe-no-fsync (default: fsync on)",
     )
+    p.add_argument(
+        "--preset",
+        choices=("lan", "local"),
+        default="lan",
+        help="the agents' timing preset: lan (the product's default) or local (the test "
+        "suite's fast timers: gossip every 50 ms) [lan]",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name, low in (("tasks", 1), ("slots", 1), ("rounds", 1)):
@@ -282,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}", file=log)
     print(
         f"{args.tasks} tasks, {args.agents} agent(s) x {args.slots} slots, {args.rounds} rounds, "
+        f"preset {args.preset}, "
         f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
         file=log,
     )
@@ -290,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     xargs_rounds: list[XargsRound] = []
     try:
         for i in range(1, args.rounds + 1):
-            m = run_mesh_round(args.tasks, args.slots, fsync, args.agents)
+            m = run_mesh_round(args.tasks, args.slots, fsync, args.agents, args.preset)
             mesh_rounds.append(m)
             print(
                 f"round {i}: hypermesh {m.wall_s:7.2f}s  {m.end_to_end_tps:7.1f} tasks/s "
