@@ -256,7 +256,8 @@ class MeshView:
         self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
         self.block_claims: dict[BlockRef, Claim] = {}
         self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
-        self._batches: dict[str, tuple[int, Batch]] = {}  # bdone key -> (revision, batch)
+        # bdone key -> (revision, its value), parsed again only to undo it (deleted)
+        self._batches: dict[str, tuple[int, dict[str, Any]]] = {}
         self._result_revisions: dict[TaskRef, int] = {}  # batch revision of a block result
         self._reopened: dict[TaskRef, tuple[int, int]] = {}  # (revision, retry_from)
         self.block_open: Counter[BlockRef] = Counter()  # open tasks per block
@@ -358,18 +359,19 @@ class MeshView:
 
     def _refresh_open(self, ref: TaskRef, before: str | None) -> None:
         after = self._raw_state(ref)
+        if before == after:
+            return  # the tables already agree with this state
         key = (ref.workflow, ref.experiment)
         if after == "open":
             self.open[key].add(ref.index)
         else:
             self.open[key].discard(ref.index)
-        if (before == "open") != (after == "open") and ref in self._block_of:
+        if (before == "open" or after == "open") and ref in self._block_of:
             self.block_open[self._block_of[ref]] += 1 if after == "open" else -1
-        if before != after:
-            if before is not None:
-                self.counts[key][before] -= 1
-            if after is not None:
-                self.counts[key][after] += 1
+        if before is not None:
+            self.counts[key][before] -= 1
+        if after is not None:
+            self.counts[key][after] += 1
 
     def _apply_task(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref = self._ref(parts)
@@ -467,15 +469,22 @@ class MeshView:
                 started_at=float(data.get("started_at", 0.0)),
                 revision=crev,
             )
+        holder = self.block_claims.get(bref)
         for index in list(self._block_indices.get(bref, ())):
-            self._refresh_block_task(bref, TaskRef(bref.workflow, bref.experiment, index))
+            ref = TaskRef(bref.workflow, bref.experiment, index)
+            if ref in self.results and ref not in self.claims:
+                continue  # decided and not shown running: no holder changes that
+            before = self._raw_state(ref)
+            self._set_block_claim(ref, holder)
+            self._refresh_open(ref, before)
 
     def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
         key = "/".join(parts)
         touched: set[TaskRef] = set()
         if data is None:  # the workflow was deleted: undo what the batch recorded
-            revision, batch = self._batches.pop(key, (0, Batch("")))
+            revision, raw = self._batches.pop(key, (0, {"node": ""}))
+            batch = Batch.from_json(raw)
             for a in batch.attempts:
                 ref = TaskRef(bref.workflow, bref.experiment, a.index)
                 mine = self.attempts.get(ref, {}).get(a.attempt)
@@ -492,27 +501,38 @@ class MeshView:
             for ref in touched:
                 self._refresh_block_task(bref, ref)
             return
-        batch = Batch.from_json(data)
-        self._batches[key] = (mrev, batch)
+        # Rows straight from the value (the layouts of blocks.AttemptEntry/ResultEntry,
+        # without their objects: every agent applies every batch), all checked before
+        # any is applied, so a malformed value changes nothing.
+        writer = str(data["node"])
+        attempt_rows = [
+            (int(index), int(n), str(state), exit_code, reason, started_at, ended_at,
+             str(node[0]) if node else writer)
+            for index, n, state, exit_code, reason, started_at, ended_at, *node in data.get("a", ())
+        ]
+        result_rows = [
+            (int(index), str(state), int(n), exit_code, float(ended_at))
+            for index, state, n, exit_code, ended_at in data.get("r", ())
+        ]
+        reopened_rows = [(int(index), int(since)) for index, since in data.get("o", ())]
+        self._batches[key] = (mrev, data)
         wid, exp = bref.workflow, bref.experiment
         # Each task's raw state before the batch, to count its change once at the end.
         prior: dict[TaskRef, str | None] = {}
         raw_state = self._raw_state
         indices = self._block_indices[bref]
-        for a in batch.attempts:
-            ref = TaskRef(wid, exp, a.index)
+        for index, n, state, exit_code, reason, started_at, ended_at, node in attempt_rows:
+            ref = TaskRef(wid, exp, index)
             if ref not in prior:
                 prior[ref] = raw_state(ref)
             known_attempts = self.attempts[ref]
-            known = known_attempts.get(a.attempt)
+            known = known_attempts.get(n)
             if known is None or known.revision <= mrev:
-                known_attempts[a.attempt] = Attempt(
-                    a.attempt, a.node or batch.node, a.state, a.exit_code, a.reason, a.started_at,
-                    a.ended_at, mrev,
-                )
-            indices.add(a.index)
+                known_attempts[n] = Attempt(n, node, state, exit_code, reason, started_at,
+                                            ended_at, mrev)
+            indices.add(index)
         attempted = list(prior)
-        for index, retry_from in batch.reopened:
+        for index, retry_from in reopened_rows:
             ref = TaskRef(wid, exp, index)
             if self._reopened.get(ref, (0, 0))[0] < mrev:
                 self._reopened[ref] = (mrev, retry_from)
@@ -522,14 +542,14 @@ class MeshView:
                 self.results.pop(ref, None)
                 self._result_revisions.pop(ref, None)
         reopened = self._reopened
-        for r in batch.results:
-            ref = TaskRef(wid, exp, r.index)
+        for index, state, n, exit_code, ended_at in result_rows:
+            ref = TaskRef(wid, exp, index)
             self._block_of.setdefault(ref, bref)
             if reopened and reopened.get(ref, (0, 0))[0] > mrev:
                 continue  # reopened by a later retry
             if ref not in prior:
                 prior[ref] = raw_state(ref)
-            self.results[ref] = Result(r.state, r.attempt, r.exit_code, r.ended_at)
+            self.results[ref] = Result(state, n, exit_code, ended_at)
             self._result_revisions[ref] = mrev
         holder = self.block_claims.get(bref)
         for ref in attempted:

@@ -133,6 +133,23 @@ def test_the_view_expands_blocks_batches_and_claims_into_tasks() -> None:
     assert view.attempts[ref1][1].state == "running"  # until the next holder closes it
 
 
+def test_a_malformed_batch_changes_nothing_in_the_view() -> None:
+    """Rows are checked before any is applied: a batch with one bad row is skipped whole."""
+    feed = Feed()
+    feed.workflow("w", TRIVIAL, state="running")
+    b0 = feed_block(feed, "w", 0, 3)
+    feed.put(feed.ks.expanded("w", "e"), {"count": 3})
+    feed.put(feed.ks.block_claim(b0), {"node": "n1", "lease": 9, "started_at": 1.0})
+    view = feed.view
+    before = (dict(view.counts[("w", "e")]), dict(view.attempts), dict(view.results))
+    bad = Batch("n1", (AttemptEntry(0, 1, "succeeded", 0, "exit", 2.0, 3.0),),
+                (ResultEntry(0, "succeeded", 1, 0, 3.0),)).to_json()
+    bad["r"].append([1, "succeeded"])  # a result row cut short
+    feed.put(f"{feed.ks.block_batches(b0)}bad", bad)
+    assert (dict(view.counts[("w", "e")]), dict(view.attempts), dict(view.results)) == before
+    assert view.task_state(TaskRef("w", "e", 0)) == "pending" and view.block_open[b0] == 3
+
+
 def test_the_view_reads_batches_in_any_order_by_revision() -> None:
     """A range read applies keys in key order, not in the order they were written."""
     ks = Keyspace("t")
