@@ -554,8 +554,8 @@ class MeshView:
         holder = self.block_claims.get(bref)
         for ref in attempted:
             self._set_block_claim(ref, holder)
-        for ref, state in prior.items():
-            self._refresh_open(ref, state)
+        for ref, was in prior.items():
+            self._refresh_open(ref, was)
 
     def _refresh_block_task(self, bref: BlockRef, ref: TaskRef) -> None:
         before = self._raw_state(ref)
