@@ -92,8 +92,8 @@ def choose_block(
             candidates: list[BlockRef] = []
             for first in view.block_firsts(wf.id, name):
                 bref = BlockRef(wf.id, name, first)
-                if view.block_open.get(bref, 0) > 0 and bref not in view.block_claims and (
-                    bref not in held
+                if bref not in view.block_claims and bref not in held and (
+                    view.block_unfinished(bref) > 0
                 ):
                     candidates.append(bref)
                     if len(candidates) >= spread:
@@ -126,6 +126,7 @@ class BlockDuty:
     async def claim(self, bref: BlockRef) -> HeldBlock | None:
         """Claim ``bref`` (closing attempts its last holder left running as lost)."""
         agent, view = self.agent, self.agent.view
+        view.settle(bref)  # every outcome recorded so far, and the attempts left running
         exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
         size = view.blocks[(bref.workflow, bref.experiment)][bref.first]
         attempts: dict[int, int] = {}

@@ -114,7 +114,7 @@ class BurstDuty:
         return pools
 
     async def tick(self, now: float) -> None:
-        view = self.agent.view
+        view = self.agent.full_view()
         declared = self._declared()
         if not declared and not view.instances:
             self._last_tick = now

@@ -103,6 +103,10 @@ class Agent:
         self.ks = Keyspace(namespace)
         self.etcd = Etcd(endpoints)
         self.view = MeshView(self.ks)
+        self._node_record: tuple[tuple[object, ...], NodeRecord] | None = None
+        # Only the leader (and a node claiming a block) needs every batch of every block
+        # applied; the rest wait in the view until asked for (``full_view``).
+        self.view.defer_batches = True
         self.gpu_source = gpu_source(cfg.gpus, cfg.gpu_type)
         self.gpu_pool = GpuPool()
         devices = self.gpu_source.devices()
@@ -170,6 +174,15 @@ class Agent:
 
     # ------------------------------------------------------------------ identity
     def record(self) -> NodeRecord:
+        """The node's registration record as of now (made again only when what can
+        change has: the scheduler asks for it at every wake-up)."""
+        key = (self.cfg, self.machine, self.address, self.state, self.lease, self.started_at,
+               self.metrics_address, self.http_address)  # the same objects: compared by identity
+        if self._node_record is None or self._node_record[0] != key:
+            self._node_record = (key, self._make_record())
+        return self._node_record[1]
+
+    def _make_record(self) -> NodeRecord:
         return NodeRecord(
             name=self.cfg.name,
             address=self.address,
@@ -196,6 +209,12 @@ class Agent:
     @property
     def is_leader(self) -> bool:
         return self.view.leader() == self.cfg.name
+
+    def full_view(self) -> MeshView:
+        """The view with every batch applied, for readers of per-task state (status,
+        logs, metrics, the dashboard); scheduling reads ``view``."""
+        self.view.settle()
+        return self.view
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -492,8 +511,11 @@ class Agent:
             if not self.lease_fresh():
                 self._lease_lost.set()
                 continue
+            leading = self.is_leader
+            if leading == self.view.defer_batches:  # it took over, or handed over
+                self.view.set_defer_batches(not leading)
             try:
-                if self._leader_dirty and self.is_leader:
+                if self._leader_dirty and leading:
                     self._leader_dirty = False
                     await self._lead()
                 self._stop_cancelled()

@@ -61,7 +61,7 @@ class Dashboard:
 
     def _summaries(self, wids: list[str]) -> list[dict[str, Any]]:
         """``status --json`` of these workflows, cost included, from the agent's view."""
-        view = self.agent.view
+        view = self.agent.full_view()
         pools = parse_pools(view.pools)
         return [
             view.workflow_summary(w)
@@ -70,7 +70,7 @@ class Dashboard:
         ]
 
     async def workflows(self, request: web.Request) -> web.Response:
-        view = self.agent.view
+        view = self.agent.full_view()
         ids = sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at, reverse=True)
         return web.json_response(
             {
@@ -82,7 +82,7 @@ class Dashboard:
         )
 
     async def workflow(self, request: web.Request) -> web.Response:
-        view = self.agent.view
+        view = self.agent.full_view()
         wid = request.match_info["wid"]
         wf = view.workflows.get(wid)
         if wf is None:
@@ -109,7 +109,7 @@ class Dashboard:
 
     async def nodes(self, request: web.Request) -> web.Response:
         a = self.agent
-        view = a.view
+        view = a.full_view()
         rows = node_rows(view, gossip_table(a.gossip.members()), a.cfg.name, True)
         telemetry = await self._telemetry([r["name"] for r in rows if r["address"]])
         for row in rows:
@@ -144,7 +144,7 @@ class Dashboard:
         except ValueError as exc:
             raise _error(web.HTTPBadRequest, str(exc)) from exc
         a = self.agent
-        attempts = a.view.attempts.get(ref, {})
+        attempts = a.full_view().attempts.get(ref, {})
         n = attempt or (max(attempts) if attempts else 0)
         chunks: list[bytes] = []
         notes: list[str] = []

@@ -82,7 +82,7 @@ class Snapshot:
 
 def snapshot(agent: Agent) -> Snapshot:
     """This agent's state now. Call on the agent's event loop."""
-    view = agent.view
+    view = agent.full_view()
     snap = Snapshot(
         node=agent.cfg.name,
         state=agent.state,

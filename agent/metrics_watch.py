@@ -154,6 +154,10 @@ class MetricsWatch:
 
     async def finish(self) -> None:
         """The last read and store, after the attempt's processes ended."""
+        if not self.metrics and not (self._log.offset or self._file.offset) and not (
+            os.path.exists(self._log.path) or os.path.exists(self._file.path)
+        ):
+            return  # nothing was reported and nothing could be (most trivial attempts)
         self.read()
         while self._log.more or self._file.more:
             self.read()

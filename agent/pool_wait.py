@@ -52,6 +52,7 @@ class PoolWait:
                  if n != me.name and rec.state == "alive" and self.alive(n)}
 
         def free() -> dict[str, int]:
+            view.settle()  # block tasks run under their holders' claims too
             held = Counter(claim.node for claim in view.claims.values())
             return {n: rec.slots - held[n] for n, rec in peers.items()}
 

@@ -64,7 +64,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A silent attempt that succeeded has no log file (agent/runner.py).
-        ran_here = {n for n, at in a.view.attempts.get(ref, {}).items() if at.node == a.cfg.name}
+        attempts = a.full_view().attempts.get(ref, {})
+        ran_here = {n for n, at in attempts.items() if at.node == a.cfg.name}
         attempt = request.attempt
         if attempt <= 0:
             ran = set(_attempts_logged(a.attempt_log(ref, 1))) | ran_here

@@ -263,6 +263,16 @@ class MeshView:
         self.block_open: Counter[BlockRef] = Counter()  # open tasks per block
         self._block_of: dict[TaskRef, BlockRef] = {}
         self._firsts: dict[tuple[str, str], list[int]] = {}  # sorted, cached
+        # Deferred batches (``defer_batches``): a non-leading agent only needs what a
+        # batch says in detail about a block it is about to claim, so batches wait
+        # here, per block and in arrival order, until ``settle``. What every view keeps
+        # up to date is cheap: per block, the revision of each task's last result and
+        # last reopening, and how many tasks are decided (``block_unfinished``).
+        self.defer_batches = False
+        self._deferred: dict[BlockRef, list[tuple[str, int, dict[str, Any]]]] = {}
+        self._result_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
+        self._reopened_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
+        self._decided: Counter[BlockRef] = Counter()
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
@@ -444,6 +454,9 @@ class MeshView:
                 self._refresh_open(ref, before)
                 self._block_of.pop(ref, None)
             self.block_open.pop(bref, None)
+            self._deferred.pop(bref, None)
+            for table in (self._result_at, self._reopened_at, self._decided):
+                table.pop(bref, None)
             return
         params = data["params"]
         if not isinstance(params, list) or not all(isinstance(p, dict) for p in params):
@@ -469,6 +482,12 @@ class MeshView:
                 started_at=float(data.get("started_at", 0.0)),
                 revision=crev,
             )
+        if bref in self._deferred:
+            return  # its tasks' claims are worked out when its batches are applied
+        self._refresh_block_claims(bref)
+
+    def _refresh_block_claims(self, bref: BlockRef) -> None:
+        """Show the block's running attempts as claims of its holder (or of no one)."""
         holder = self.block_claims.get(bref)
         for index in list(self._block_indices.get(bref, ())):
             ref = TaskRef(bref.workflow, bref.experiment, index)
@@ -481,26 +500,100 @@ class MeshView:
     def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
         key = "/".join(parts)
-        touched: set[TaskRef] = set()
-        if data is None:  # the workflow was deleted: undo what the batch recorded
-            revision, raw = self._batches.pop(key, (0, {"node": ""}))
-            batch = Batch.from_json(raw)
-            for a in batch.attempts:
-                ref = TaskRef(bref.workflow, bref.experiment, a.index)
-                mine = self.attempts.get(ref, {}).get(a.attempt)
-                if mine is not None and mine.revision == revision:
-                    self.attempts[ref].pop(a.attempt, None)
-                touched.add(ref)
-            for r in batch.results:
-                ref = TaskRef(bref.workflow, bref.experiment, r.index)
-                if self._result_revisions.get(ref) == revision:
-                    before = self._raw_state(ref)
-                    self.results.pop(ref, None)
-                    self._result_revisions.pop(ref, None)
-                    self._refresh_open(ref, before)
-            for ref in touched:
-                self._refresh_block_task(bref, ref)
+        if data is None:
+            deferred = self._deferred.get(bref, [])
+            kept = [entry for entry in deferred if entry[0] != key]
+            if len(kept) == len(deferred):
+                self._undo_batch(bref, key)
+            elif kept:
+                self._deferred[bref] = kept  # never applied: nothing to undo
+            else:
+                del self._deferred[bref]
+                self._refresh_block_claims(bref)
+            self._recount_decisions(bref)
             return
+        results = [int(row[0]) for row in data.get("r", ())]
+        reopened = [int(row[0]) for row in data.get("o", ())]
+        if self.defer_batches:
+            self._deferred.setdefault(bref, []).append((key, mrev, data))
+        else:
+            if bref in self._deferred:
+                self.settle(bref)
+            self._expand_batch(bref, key, data, mrev)
+        self._note_decisions(bref, mrev, results, reopened)
+
+    def _note_decisions(
+        self, bref: BlockRef, mrev: int, results: list[int], reopened: list[int]
+    ) -> None:
+        """Count the block's decided tasks: those whose last result is newer than their
+        last reopening (batches may arrive in key order, not revision order)."""
+        result_at, reopened_at = self._result_at[bref], self._reopened_at[bref]
+        for indices, table in ((reopened, reopened_at), (results, result_at)):
+            for index in indices:
+                was = result_at.get(index, 0) > reopened_at.get(index, 0)
+                if table.get(index, 0) < mrev:
+                    table[index] = mrev
+                now = result_at.get(index, 0) > reopened_at.get(index, 0)
+                self._decided[bref] += now - was
+
+    def block_unfinished(self, bref: BlockRef) -> int:
+        """Tasks of the block without a result (deferred batches included)."""
+        size = self.blocks.get((bref.workflow, bref.experiment), {}).get(bref.first, 0)
+        return size - self._decided[bref]
+
+    def settle(self, bref: BlockRef | None = None) -> None:
+        """Apply the deferred batches (of ``bref``, or of every block), so that the
+        per-task tables are complete."""
+        for b in [bref] if bref is not None else list(self._deferred):
+            for key, mrev, data in self._deferred.pop(b, []):
+                try:
+                    self._expand_batch(b, key, data, mrev)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    log.warning("ignoring malformed key %s: %s", key, exc)
+            self._refresh_block_claims(b)
+
+    def set_defer_batches(self, defer: bool) -> None:
+        """Defer batches from now on (a node that does not lead), or apply them as they
+        come, after applying those deferred so far (the leader, the CLI)."""
+        self.defer_batches = defer
+        if not defer:
+            self.settle()
+
+    def _undo_batch(self, bref: BlockRef, key: str) -> None:
+        """The workflow was deleted: undo what the batch ``key`` recorded."""
+        touched: set[TaskRef] = set()
+        revision, raw = self._batches.pop(key, (0, {"node": ""}))
+        batch = Batch.from_json(raw)
+        for a in batch.attempts:
+            ref = TaskRef(bref.workflow, bref.experiment, a.index)
+            mine = self.attempts.get(ref, {}).get(a.attempt)
+            if mine is not None and mine.revision == revision:
+                self.attempts[ref].pop(a.attempt, None)
+            touched.add(ref)
+        for r in batch.results:
+            ref = TaskRef(bref.workflow, bref.experiment, r.index)
+            if self._result_revisions.get(ref) == revision:
+                before = self._raw_state(ref)
+                self.results.pop(ref, None)
+                self._result_revisions.pop(ref, None)
+                self._refresh_open(ref, before)
+                touched.add(ref)
+        for ref in touched:
+            self._refresh_block_task(bref, ref)
+
+    def _recount_decisions(self, bref: BlockRef) -> None:
+        """Count the block's decided tasks again from the batches left (one was deleted)."""
+        for table in (self._result_at, self._reopened_at, self._decided):
+            table.pop(bref, None)
+        prefix = f"{bref.workflow}/{bref.experiment}/{bref.first}/"
+        left = [(rev, data) for k, (rev, data) in self._batches.items() if k.startswith(prefix)]
+        left += [(rev, data) for _, rev, data in self._deferred.get(bref, [])]
+        for rev, data in left:
+            self._note_decisions(bref, rev, [int(row[0]) for row in data.get("r", ())],
+                                 [int(row[0]) for row in data.get("o", ())])
+
+    def _expand_batch(self, bref: BlockRef, key: str, data: dict[str, Any], mrev: int) -> None:
+        """Apply one batch to the per-task tables."""
         # Rows straight from the value (the layouts of blocks.AttemptEntry/ResultEntry,
         # without their objects: every agent applies every batch), all checked before
         # any is applied, so a malformed value changes nothing.
@@ -531,7 +624,6 @@ class MeshView:
                 known_attempts[n] = Attempt(n, node, state, exit_code, reason, started_at,
                                             ended_at, mrev)
             indices.add(index)
-        attempted = list(prior)
         for index, retry_from in reopened_rows:
             ref = TaskRef(wid, exp, index)
             if self._reopened.get(ref, (0, 0))[0] < mrev:
@@ -552,7 +644,7 @@ class MeshView:
             self.results[ref] = Result(state, n, exit_code, ended_at)
             self._result_revisions[ref] = mrev
         holder = self.block_claims.get(bref)
-        for ref in attempted:
+        for ref in prior:  # each task whose attempts or result changed
             self._set_block_claim(ref, holder)
         for ref, was in prior.items():
             self._refresh_open(ref, was)

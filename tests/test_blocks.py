@@ -244,3 +244,73 @@ def test_block_claims_and_batches_are_fenced(etcd_server: EtcdServer) -> None:
             assert view.results[ref].attempt == 2
 
     asyncio.run(main())
+
+
+def _block_events(rng: random.Random, ks: Keyspace) -> list[tuple[str, dict | None]]:
+    """A random history of two blocks: holders come and go, batches start, end, fail,
+    decide and reopen tasks (as ``hypermesh retry`` does)."""
+    brefs = [BlockRef("w", "e", 0), BlockRef("w", "e", 4)]
+    events: list[tuple[str, dict | None]] = [
+        (ks.block(b), {"params": [{"i": b.first + k} for k in range(4)]}) for b in brefs
+    ]
+    attempt: dict[int, int] = {}
+    for step in range(60):
+        b = rng.choice(brefs)
+        roll = rng.random()
+        if roll < 0.15:
+            events.append((ks.block_claim(b), {"node": rng.choice(["n1", "n2"]), "lease": 1,
+                                               "started_at": float(step)}))
+        elif roll < 0.25:
+            events.append((ks.block_claim(b), None))
+        else:
+            entries, results, reopened = [], [], []
+            for index in rng.sample(range(b.first, b.first + 4), rng.randint(1, 3)):
+                what = rng.random()
+                if what < 0.15:
+                    reopened.append((index, attempt.get(index, 0)))
+                    continue
+                n = attempt[index] = attempt.get(index, 0) + (what < 0.5)
+                state = "running" if what < 0.5 else rng.choice(["succeeded", "failed"])
+                entries.append(AttemptEntry(index, max(n, 1), state, None, "exit",
+                                            float(step), None if state == "running" else step + .5))
+                if state != "running" and rng.random() < 0.7:
+                    results.append(ResultEntry(index, state, max(n, 1), 0, step + .5))
+            value = Batch(rng.choice(["n1", "n2"]), tuple(entries), tuple(results),
+                          tuple(reopened)).to_json()
+            events.append((f"{ks.block_batches(b)}{step:04d}", value))
+    return events
+
+
+def _tables(view: MeshView) -> tuple[object, ...]:
+    return (view.tasks, view.claims, {r: dict(a) for r, a in view.attempts.items() if a},
+            view.results, {k: +c for k, c in view.counts.items()},
+            {k: s for k, s in view.open.items() if s}, +view.block_open)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) -> None:
+    """A node that does not lead applies batches only when asked (``settle``); what it
+    then has is what a view that applied every batch as it came has, and it knows which
+    blocks have unfinished tasks all along."""
+    ks = Keyspace("t")
+    rng = random.Random(seed)
+    events = _block_events(rng, ks)
+    eager, lazy = MeshView(ks), MeshView(ks)
+    lazy.defer_batches = True
+    for rev, (key, value) in enumerate(events, start=1):
+        for view in (eager, lazy):
+            view.apply(key, None if value is None else dumps(value), rev, rev)
+        if rng.random() < 0.1:
+            lazy.settle(rng.choice([None, BlockRef("w", "e", 0)]))
+        for b in (BlockRef("w", "e", 0), BlockRef("w", "e", 4)):
+            refs = [TaskRef("w", "e", b.first + k) for k in range(4)]
+            unfinished = sum(1 for r in refs if r in eager.tasks and r not in eager.results)
+            assert lazy.block_unfinished(b) == eager.block_unfinished(b) == unfinished
+    lazy.settle()
+    assert _tables(lazy) == _tables(eager)
+    # Taking the lead: applies at once from then on.
+    lazy.set_defer_batches(False)
+    key, value = ks.block_claim(BlockRef("w", "e", 0)), {"node": "n3", "lease": 2}
+    for view in (eager, lazy):
+        view.apply(key, dumps(value), len(events) + 1, len(events) + 1)
+    assert _tables(lazy) == _tables(eager)
