@@ -256,8 +256,8 @@ class MeshView:
         self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
         self.block_claims: dict[BlockRef, Claim] = {}
         self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
-        # bdone key -> (revision, its value), parsed again only to undo it (deleted)
-        self._batches: dict[str, tuple[int, dict[str, Any]]] = {}
+        # Per block, bdone key -> (revision, its value): parsed again only to undo it.
+        self._batches: dict[BlockRef, dict[str, tuple[int, Any]]] = defaultdict(dict)
         self._result_revisions: dict[TaskRef, int] = {}  # batch revision of a block result
         self._reopened: dict[TaskRef, tuple[int, int]] = {}  # (revision, retry_from)
         self.block_open: Counter[BlockRef] = Counter()  # open tasks per block
@@ -562,7 +562,10 @@ class MeshView:
     def _undo_batch(self, bref: BlockRef, key: str) -> None:
         """The workflow was deleted: undo what the batch ``key`` recorded."""
         touched: set[TaskRef] = set()
-        revision, raw = self._batches.pop(key, (0, {"node": ""}))
+        applied = self._batches.get(bref, {})
+        revision, raw = applied.pop(key, (0, {"node": ""}))
+        if not applied:
+            self._batches.pop(bref, None)
         batch = Batch.from_json(raw)
         for a in batch.attempts:
             ref = TaskRef(bref.workflow, bref.experiment, a.index)
@@ -585,8 +588,7 @@ class MeshView:
         """Count the block's decided tasks again from the batches left (one was deleted)."""
         for table in (self._result_at, self._reopened_at, self._decided):
             table.pop(bref, None)
-        prefix = f"{bref.workflow}/{bref.experiment}/{bref.first}/"
-        left = [(rev, data) for k, (rev, data) in self._batches.items() if k.startswith(prefix)]
+        left = list(self._batches.get(bref, {}).values())
         left += [(rev, data) for _, rev, data in self._deferred.get(bref, [])]
         for rev, data in left:
             self._note_decisions(bref, rev, [int(row[0]) for row in data.get("r", ())],
@@ -608,7 +610,7 @@ class MeshView:
             for index, state, n, exit_code, ended_at in data.get("r", ())
         ]
         reopened_rows = [(int(index), int(since)) for index, since in data.get("o", ())]
-        self._batches[key] = (mrev, data)
+        self._batches[bref][key] = (mrev, data)
         wid, exp = bref.workflow, bref.experiment
         # Each task's raw state before the batch, to count its change once at the end.
         prior: dict[TaskRef, str | None] = {}

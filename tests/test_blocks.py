@@ -314,3 +314,27 @@ def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) 
     for view in (eager, lazy):
         view.apply(key, dumps(value), len(events) + 1, len(events) + 1)
     assert _tables(lazy) == _tables(eager)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_deleting_a_workflows_batches_undoes_them_applied_or_deferred(seed: int) -> None:
+    ks = Keyspace("t")
+    rng = random.Random(seed)
+    events = _block_events(rng, ks)
+    eager, lazy = MeshView(ks), MeshView(ks)
+    lazy.defer_batches = True
+    for rev, (key, value) in enumerate(events, start=1):
+        for view in (eager, lazy):
+            view.apply(key, None if value is None else dumps(value), rev, rev)
+        if rng.random() < 0.2:
+            lazy.settle()  # some batches applied, the later ones deferred
+    rev = len(events)
+    for key in sorted({k for k, _ in events if "/bdone/" in k}):
+        rev += 1
+        for view in (eager, lazy):
+            view.apply(key, None, 0, rev)
+    lazy.settle()
+    assert _tables(lazy) == _tables(eager)
+    assert not eager.results and not any(eager.attempts.values())
+    assert eager.block_unfinished(BlockRef("w", "e", 0)) == 4
+    assert lazy.block_unfinished(BlockRef("w", "e", 4)) == 4
