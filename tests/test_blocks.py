@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import textwrap
+from collections.abc import Callable
 
 import pytest
 from hypermesh.agent.blocks import choose_block
@@ -287,11 +288,10 @@ def _tables(view: MeshView) -> tuple[object, ...]:
             {k: s for k, s in view.open.items() if s}, +view.block_open)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) -> None:
-    """A node that does not lead applies batches only when asked (``settle``); what it
-    then has is what a view that applied every batch as it came has, and it knows which
-    blocks have unfinished tasks all along."""
+def _replay(seed: int, after_each: Callable[[random.Random, MeshView, MeshView], None]
+            ) -> tuple[Keyspace, list[tuple[str, dict | None]], MeshView, MeshView]:
+    """A random history fed to an eager view and a deferring one; ``after_each`` runs
+    after every event. The keyspace, the history (event N at revision N+1), the views."""
     ks = Keyspace("t")
     rng = random.Random(seed)
     events = _block_events(rng, ks)
@@ -300,34 +300,43 @@ def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) 
     for rev, (key, value) in enumerate(events, start=1):
         for view in (eager, lazy):
             view.apply(key, None if value is None else dumps(value), rev, rev)
+        after_each(rng, eager, lazy)
+    return ks, events, eager, lazy
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) -> None:
+    """A node that does not lead applies batches only when asked (``settle``); what it
+    then has is what a view that applied every batch as it came has, and it knows which
+    blocks have unfinished tasks all along."""
+
+    def check(rng: random.Random, eager: MeshView, lazy: MeshView) -> None:
         if rng.random() < 0.1:
             lazy.settle(rng.choice([None, BlockRef("w", "e", 0)]))
         for b in (BlockRef("w", "e", 0), BlockRef("w", "e", 4)):
             refs = [TaskRef("w", "e", b.first + k) for k in range(4)]
             unfinished = sum(1 for r in refs if r in eager.tasks and r not in eager.results)
             assert lazy.block_unfinished(b) == eager.block_unfinished(b) == unfinished
+
+    ks, events, eager, lazy = _replay(seed, check)
+    rev = len(events)
     lazy.settle()
     assert _tables(lazy) == _tables(eager)
     # Taking the lead: applies at once from then on.
     lazy.set_defer_batches(False)
     key, value = ks.block_claim(BlockRef("w", "e", 0)), {"node": "n3", "lease": 2}
     for view in (eager, lazy):
-        view.apply(key, dumps(value), len(events) + 1, len(events) + 1)
+        view.apply(key, dumps(value), rev + 1, rev + 1)
     assert _tables(lazy) == _tables(eager)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_deleting_a_workflows_batches_undoes_them_applied_or_deferred(seed: int) -> None:
-    ks = Keyspace("t")
-    rng = random.Random(seed)
-    events = _block_events(rng, ks)
-    eager, lazy = MeshView(ks), MeshView(ks)
-    lazy.defer_batches = True
-    for rev, (key, value) in enumerate(events, start=1):
-        for view in (eager, lazy):
-            view.apply(key, None if value is None else dumps(value), rev, rev)
+    def sometimes_settle(rng: random.Random, eager: MeshView, lazy: MeshView) -> None:
         if rng.random() < 0.2:
             lazy.settle()  # some batches applied, the later ones deferred
+
+    _, events, eager, lazy = _replay(seed, sometimes_settle)
     rev = len(events)
     for key in sorted({k for k, _ in events if "/bdone/" in k}):
         rev += 1
