@@ -276,8 +276,11 @@ class MeshView:
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
-        """Forget everything (before a full reload after a compacted watch)."""
+        """Forget everything (before a full reload after a compacted watch) but whether
+        batches are deferred."""
+        defer = self.defer_batches
         self.__init__(self.ks)  # type: ignore[misc]
+        self.defer_batches = defer
 
     def apply(
         self, key: str, value: bytes | None, create_revision: int = 0, mod_revision: int = 0
