@@ -775,11 +775,8 @@ class Agent:
             env["HM_CHECKPOINT_DIR"] = local
         return env
 
-    def local_checkpoints(self, ref: TaskRef) -> Path:
-        """A task's checkpoint folder on this node, for tasks without data sets."""
-        return Path(self._checkpoint_path(ref))
-
     def _checkpoint_path(self, ref: TaskRef) -> str:
+        """A task's checkpoint folder on this node, for tasks without data sets."""
         return f"{self._checkpoints}/{ref.id}"
 
     async def _execute(self, r: Running) -> None:

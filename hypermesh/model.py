@@ -204,6 +204,11 @@ class ExperimentSummary:
         }
 
 
+def _decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The task indices a ``bdone`` value decides (results) and reopens."""
+    return [int(row[0]) for row in batch.get("r", ())], [int(row[0]) for row in batch.get("o", ())]
+
+
 def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
     if value is None:
         table.pop(key, None)
@@ -515,8 +520,7 @@ class MeshView:
                 self._refresh_block_claims(bref)
             self._recount_decisions(bref)
             return
-        results = [int(row[0]) for row in data.get("r", ())]
-        reopened = [int(row[0]) for row in data.get("o", ())]
+        results, reopened = _decision_rows(data)
         if self.defer_batches:
             self._deferred.setdefault(bref, []).append((key, mrev, data))
         else:
@@ -594,8 +598,7 @@ class MeshView:
         left = list(self._batches.get(bref, {}).values())
         left += [(rev, data) for _, rev, data in self._deferred.get(bref, [])]
         for rev, data in left:
-            self._note_decisions(bref, rev, [int(row[0]) for row in data.get("r", ())],
-                                 [int(row[0]) for row in data.get("o", ())])
+            self._note_decisions(bref, rev, *_decision_rows(data))
 
     def _expand_batch(self, bref: BlockRef, key: str, data: dict[str, Any], mrev: int) -> None:
         """Apply one batch to the per-task tables."""
