@@ -145,10 +145,14 @@ class BlockDuty:
                 todo.append(ref.index)
         if not todo:
             return None
-        fence = await claim_block(
-            agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
-            self.batch_key(bref), lost_entries(left, time.time()),
-        )
+        try:
+            fence = await claim_block(
+                agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
+                self.batch_key(bref), lost_entries(left, time.time()),
+            )
+        except EtcdUnavailable:
+            agent.unsure.block(bref)  # written or not: read back when etcd is back
+            raise
         if fence is None:
             return None
         agent.written_revision = max(agent.written_revision, fence)

@@ -45,6 +45,7 @@ from hypermesh.agent.pool_wait import PoolWait
 from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 from hypermesh.agent.share_config import ShareConfig
 from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
+from hypermesh.agent.unsure import UnsureClaims
 
 from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
@@ -158,6 +159,7 @@ class Agent:
         self.started_at = time.time()
         self.running: dict[TaskRef, Running] = {}
         self.blocks = BlockDuty(self)
+        self.unsure = UnsureClaims(self.etcd, self.ks, cfg.name, lambda: self.lease, self.decide)
         self._wake: asyncio.Event = asyncio.Event()
         self.claiming: set[TaskRef] = set()  # tasks of the claim transaction in flight
         self._stop = asyncio.Event()
@@ -519,6 +521,8 @@ class Agent:
                     self._leader_dirty = False
                     await self._lead()
                 self._stop_cancelled()
+                if self.unsure:
+                    await self.unsure.settle(self._claim_in_use)
                 await self._claim()
             except LeaseLost:
                 self._lease_lost.set()
@@ -526,6 +530,12 @@ class Agent:
                 log.warning("%s: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
                 self._wake.set()
+
+    def _claim_in_use(self, key: str) -> bool:
+        """Whether the claim ``key`` (of a task or a block) is one this node runs."""
+        return any(self.ks.claim(ref) == key for ref in self.running) or any(
+            self.ks.block_claim(bref) == key for bref in self.blocks.held
+        )
 
     async def _run_gossip(self) -> None:
         await self._mirror_ready.wait()  # seeds come from the etcd registry
@@ -678,10 +688,14 @@ class Agent:
                 for plan in plans:
                     self.gpu_pool.adopt(load.gpu_pool, plan.ref)
             revision = None
+            now = time.time()
             try:
                 revision = await claim_tasks(
-                    self.etcd, self.ks, plans, self.cfg.name, self.lease, time.time()
+                    self.etcd, self.ks, plans, self.cfg.name, self.lease, now
                 )
+            except EtcdUnavailable:
+                self.unsure.tasks(plans, now)  # written or not: read back when etcd is back
+                raise
             finally:
                 self.claiming = set()
                 if revision is None:

@@ -100,19 +100,20 @@ class Etcd:
     async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
         try:
             return await coro
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, EtcdError, TimeoutError) as exc:
+            raise self._translate(what, exc) from exc
+
+    def _translate(self, what: str, exc: BaseException) -> BaseException:
+        """The ``hypermesh.errors`` exception (or cancellation) an error from the
+        client library stands for."""
+        if isinstance(exc, grpc.aio.AioRpcError):
             if _cancelled(exc):
-                raise asyncio.CancelledError from exc
+                return asyncio.CancelledError()
             if exc.code() == grpc.StatusCode.NOT_FOUND and "lease not found" in (
                 exc.details() or ""
             ):
-                raise LeaseLost(f"etcd {what}: the lease is gone") from exc
-            where = ",".join(self.endpoints)
-            raise EtcdUnavailable(f"etcd {what} failed at {where}: {exc}") from exc
-        except (EtcdError, TimeoutError) as exc:
-            raise EtcdUnavailable(
-                f"etcd {what} failed at {','.join(self.endpoints)}: {exc}"
-            ) from exc
+                return LeaseLost(f"etcd {what}: the lease is gone")
+        return EtcdUnavailable(f"etcd {what} failed at {','.join(self.endpoints)}: {exc}")
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
         resp = await self._call("get", self.kv.get(key, timeout=self.timeout))
@@ -134,10 +135,45 @@ class Etcd:
     async def txn(
         self, compare: list[Any], success: list[Any], failure: Sequence[Any] = ()
     ) -> TxnResult:
-        resp = await self._call(
-            "txn", self.kv.txn(compare, success, list(failure), timeout=self.timeout)
-        )
-        return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
+        """Run one transaction, retried while etcd is unreachable.
+
+        A transaction is not idempotent: an attempt whose answer was lost (the
+        member died after committing it) fails its compares when tried again. So a
+        retry also reads back what ``success`` writes, and if that is exactly there
+        (each put's value and lease, each deleted key gone, the puts at one
+        revision) the earlier attempt committed: the result says so, with that
+        revision and no responses.
+        """
+        failure = list(failure)
+        checks = _effect_reads(success)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        backoff = TXN_RETRY_BACKOFF_S
+        retried = False
+        while True:
+            fail_ops = failure + checks if retried else failure
+            try:
+                resp = await self.kv.txn(
+                    compare, success, fail_ops,
+                    timeout=max(deadline - loop.time(), 0.05), max_attempts=1,
+                )
+            except (grpc.aio.AioRpcError, EtcdError, TimeoutError) as exc:
+                if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
+                    raise asyncio.CancelledError from exc
+                if not _transient(exc) or loop.time() + backoff >= deadline:
+                    raise self._translate("txn", exc) from exc
+                log.info("txn: %s; retrying in %.2fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff *= 2
+                retried = True
+                continue
+            if resp.succeeded or not retried:
+                return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
+            committed = _committed_at(success, resp.responses[len(failure):])
+            if committed is not None:
+                log.info("txn: an earlier attempt committed at revision %d", committed)
+                return TxnResult(True, committed or int(resp.header.revision), [])
+            return TxnResult(False, int(resp.header.revision), resp.responses[: len(failure)])
 
     # Builders, re-exported so callers need not know the client library.
     @staticmethod
@@ -320,6 +356,57 @@ class Etcd:
                 log.warning("mirror of %s: %s; retrying in %.1fs", prefix, exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+
+TXN_RETRY_BACKOFF_S = 0.1  # first pause before a transaction is tried again (doubles)
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _transient(exc: BaseException) -> bool:
+    """An error after which the same request may succeed (etcd3aio's own transient
+    errors, an unreachable member, a deadline)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in _TRANSIENT
+    cause = exc.__cause__
+    if isinstance(cause, grpc.aio.AioRpcError):
+        return cause.code() in _TRANSIENT
+    return isinstance(exc, TimeoutError)
+
+
+def _effect_reads(success: Sequence[Any]) -> list[Any]:
+    """Range requests that read back what the operations in ``success`` write."""
+    reads = []
+    for op in success:
+        kind = op.WhichOneof("request")
+        if kind == "request_put":
+            reads.append(KVService.txn_op_get(op.request_put.key))
+        elif kind == "request_delete_range":
+            d = op.request_delete_range
+            reads.append(KVService.txn_op_get(d.key, range_end=d.range_end or None))
+        else:  # a nested transaction or a read: its effect cannot be read back
+            return []
+    return reads
+
+
+def _committed_at(success: Sequence[Any], reads: Sequence[Any]) -> int | None:
+    """The revision at which ``success`` was applied, judged from ``reads`` (the
+    answers to ``_effect_reads``): None if what it writes is not all there. 0: all
+    there, but it only deletes, so the revision is unknown."""
+    if not success or len(reads) != len(success):
+        return None
+    revisions = set()
+    for op, read in zip(success, reads, strict=True):
+        kvs = read.response_range.kvs
+        if op.WhichOneof("request") == "request_put":
+            put = op.request_put
+            if len(kvs) != 1 or kvs[0].value != put.value or kvs[0].lease != put.lease:
+                return None
+            revisions.add(kvs[0].mod_revision)
+        elif kvs:
+            return None
+    if len(revisions) > 1:
+        return None  # some of it was written again since
+    return revisions.pop() if revisions else 0
 
 
 def keepalive_interval(ttl: int) -> float:

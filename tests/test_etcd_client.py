@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from hypermesh.errors import EtcdUnavailable, UsageError
@@ -143,5 +145,80 @@ def test_of_two_candidates_that_saw_the_same_vacancy_one_stands(etcd_server: Etc
             later = await etcd.txn([etcd.none_created_since("/el/elect/", first.revision)], [])
             empty = await etcd.txn([etcd.none_created_since("/el/none/", seen)], [])
             assert later.succeeded and empty.succeeded
+
+    asyncio.run(scenario())
+
+
+def _unavailable() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Socket closed"
+    )
+
+
+def _lose_answers(etcd: Etcd, plan: list[str]) -> list[str]:
+    """Make the next transactions go wrong as ``plan`` says, one word each: ``lost``
+    (etcd commits it, the answer never arrives), ``refused`` (never reaches etcd).
+    Returns the log of what each call did."""
+    real = type(etcd.kv).txn.__get__(etcd.kv)  # the client's own, not an earlier fault's
+    calls: list[str] = []
+
+    async def txn(*args: Any, **kwargs: Any) -> Any:
+        fault = plan.pop(0) if plan else "ok"
+        calls.append(fault)
+        if fault == "refused":
+            raise _unavailable()
+        resp = await real(*args, **kwargs)
+        if fault == "lost":
+            raise _unavailable()
+        return resp
+
+    etcd.kv.txn = txn  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
+    etcd_server: EtcdServer,
+) -> None:
+    """A member that dies after committing a claim must not make its writer believe
+    the claim failed (retrying it fails its compares): the claim would be held under
+    the writer's lease, run by nobody, forever."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease = await etcd.grant(30)
+            claim = [etcd.absent("/t/claim")], [
+                etcd.op_put("/t/claim", b"node1 attempt 1", lease),
+                etcd.op_put("/t/attempt", b"running"),
+            ]
+            calls = _lose_answers(etcd, ["lost"])
+            done = await etcd.txn(*claim)
+            assert calls == ["lost", "ok"]  # committed once, retried once
+            assert done.succeeded
+            _, rev = await etcd.get("/t/claim")  # type: ignore[misc]
+            assert done.revision == rev  # the earlier attempt's revision: a valid fence
+            # A compare that fails for real still fails after a retry (a claim's value
+            # is new each time: it carries its start time)...
+            later = [etcd.absent("/t/claim")], [etcd.op_put("/t/claim", b"node1 at 2", lease)]
+            calls = _lose_answers(etcd, ["refused"])
+            again = await etcd.txn(*later)
+            assert calls == ["refused", "ok"] and not again.succeeded
+            # ...also when the keys hold someone else's write of the same bytes, but
+            # under another lease.
+            await etcd.put("/t/claim", b"node1 at 2")
+            _lose_answers(etcd, ["refused"])
+            assert not (await etcd.txn(*later)).succeeded
+            # A release (deletes only) whose answer was lost succeeded too.
+            rev = (await etcd.get("/t/claim"))[1]  # type: ignore[index]
+            _lose_answers(etcd, ["lost"])
+            released = await etcd.txn(
+                [etcd.mod_revision_is("/t/claim", rev)], [etcd.op_delete("/t/claim")]
+            )
+            assert released.succeeded and await etcd.get("/t/claim") is None
+            # An error that is no outage is not retried.
+            calls = _lose_answers(etcd, [])
+            too_many = [etcd.op_put(f"/t/{i}", b"") for i in range(200)]
+            with pytest.raises(EtcdUnavailable):
+                await etcd.txn([], too_many)
+            assert calls == ["ok"]
 
     asyncio.run(scenario())

@@ -259,6 +259,9 @@ def test_etcd_cluster_loses_a_member_and_no_task_fails(tmp_path: Path) -> None:
         tasks = mesh.hm_json("tasks", wid)
         assert all(successes(t) == 1 for t in tasks)
         assert not any(a["state"] == "failed" for t in tasks for a in t["attempts"])
+    except BaseException:
+        print(mesh.logs())
+        raise
     finally:
         mesh.close()
         cluster.stop()
