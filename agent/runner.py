@@ -1,9 +1,12 @@
 """Running one attempt of a task as subprocesses.
 
 The commands of a task run in order, each as ``/bin/bash -c COMMAND`` in its own
-process group (so a stop reaches every child). The first failing command ends the
-attempt. A stop (cancel, drain, timeout) sends SIGTERM to the group, then SIGKILL
-after the grace period.
+process group (so a stop reaches every child). A command with no shell syntax at all
+(``python train.py --lr 0.1``: plain words, a first word that is no shell keyword or
+builtin) is executed directly, as GNU make does: bash would only exec it after
+starting, which costs a short task more CPU than the task itself (``direct_argv``).
+The first failing command ends the attempt. A stop (cancel, drain, timeout) sends
+SIGTERM to the group, then SIGKILL after the grace period.
 
 Their stdout and stderr go to one pipe that the agent's event loop copies into the
 attempt's log file, as a container runtime's shim does. The file is made only when
@@ -23,11 +26,12 @@ import contextlib
 import logging
 import os
 import signal
+import string
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,23 +123,18 @@ class AttemptProcess:
         return Outcome(state, code, reason, time.time())
 
     async def _spawn(self, command: str, log: int) -> tuple[Any, asyncio.Future[int]]:
-        """Start ``bash -c command``; the process and a future of its exit status.
+        """Start ``command`` (directly, or as ``bash -c command``); the process and a
+        future of its exit status. A direct start that fails (not found, not
+        executable, a script without ``#!``) is left to bash, whose error message
+        and exit status the log then shows, as without the shortcut.
 
         Where the kernel has pidfds the exit is read from the event loop (one fd
         watched per child): no asyncio subprocess transport, which costs more per
         short task than the task's own process start."""
-        args = ["/bin/bash", "-c", command]
         if not _HAVE_PIDFD:
-            proc = await asyncio.create_subprocess_exec(
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=log,
-                stderr=asyncio.subprocess.STDOUT, cwd=self.cwd, env=self.env,
-                start_new_session=True,
-            )
+            proc = await self._start(command, log, _asyncio_exec)
             return proc, asyncio.ensure_future(proc.wait())
-        popen = subprocess.Popen(
-            args, stdin=_devnull(), stdout=log,
-            stderr=subprocess.STDOUT, cwd=self.cwd, env=self.env, start_new_session=True,
-        )
+        popen = await self._start(command, log, _popen)
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
         pidfd = os.pidfd_open(popen.pid)
@@ -149,6 +148,19 @@ class AttemptProcess:
 
         loop.add_reader(pidfd, reap)
         return popen, exited
+
+    async def _start(self, command: str, log: int, start: _Starter) -> Any:
+        """``start`` the command's own arguments, or else bash's."""
+        argv = direct_argv(command)
+        if argv is not None:
+            # bash would set PWD to the folder it starts in; a program started
+            # directly would otherwise see the agent's.
+            env = {**self.env, "PWD": os.path.abspath(self.cwd)}
+            try:
+                return await start(argv, log, self.cwd, env)
+            except OSError:
+                pass  # bash says why, as it would have without the shortcut
+        return await start(["/bin/bash", "-c", command], log, self.cwd, self.env)
 
     async def _run_one(self, command: str, log: int, deadline: float | None) -> tuple[int, bool]:
         """Run one command until it exits, the attempt is stopped or ``deadline``
@@ -185,6 +197,40 @@ class AttemptProcess:
             await waiter
         # Children that ignored SIGTERM and outlived their parent still die.
         _signal_group(proc.pid, signal.SIGKILL)
+
+
+# What a command may be made of to be executed without a shell: every other character
+# (quotes, $, globs, redirections, ~, #, braces, tabs, newlines...) means bash.
+_PLAIN = frozenset(string.ascii_letters + string.digits + " _-./:,+@%=")
+# First words bash must run itself: its keywords, and its builtins, which act on the
+# shell or differ from the program of the same name. Only ``true`` and ``false``
+# without arguments are the same either way.
+_SHELL_WORDS = frozenset({
+    ".", ":", "alias", "bg", "bind", "break", "builtin", "caller", "case", "cd", "command",
+    "compgen", "complete", "compopt", "continue", "coproc", "declare", "dirs", "disown",
+    "do", "done", "echo", "elif", "else", "enable", "esac", "eval", "exec", "exit",
+    "export", "fc", "fg", "fi", "for", "function", "getopts", "hash", "help", "history",
+    "if", "in", "jobs", "kill", "let", "local", "logout", "mapfile", "popd", "printf",
+    "pushd", "pwd", "read", "readarray", "readonly", "return", "select", "set", "shift",
+    "shopt", "source", "suspend", "test", "then", "time", "times", "trap", "type",
+    "typeset", "ulimit", "umask", "unalias", "unset", "until", "wait", "while",
+})  # (the others, such as [[ or {, are not plain: see _PLAIN)
+
+
+def direct_argv(command: str) -> list[str] | None:
+    """The argument vector that runs ``command`` without a shell, or None when it
+    needs bash (shell syntax, a keyword or builtin, an assignment first)."""
+    if not _PLAIN.issuperset(command):
+        return None
+    argv = [word for word in command.split(" ") if word]
+    if not argv:
+        return None
+    first = argv[0]
+    if first in _SHELL_WORDS or "=" in first or first[0] in "-%":
+        return None
+    if first in ("true", "false") and len(argv) > 1:
+        return None  # the programs take --help and --version; the builtins do not
+    return argv
 
 
 class LazyLog:
@@ -259,6 +305,26 @@ class OutputPipe:
             self.sink(data)
             if len(data) < PIPE_READ:
                 return
+
+
+_Starter = Callable[[list[str], int, "str | Path", Mapping[str, str]], Awaitable[Any]]
+"""Starts a command's process: arguments, output fd, working folder, environment."""
+
+
+async def _popen(args: list[str], log: int, cwd: str | Path, env: Mapping[str, str]) -> Any:
+    return subprocess.Popen(
+        args, stdin=_devnull(), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+        start_new_session=True,
+    )
+
+
+async def _asyncio_exec(
+    args: list[str], log: int, cwd: str | Path, env: Mapping[str, str]
+) -> Any:
+    return await asyncio.create_subprocess_exec(
+        *args, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+        cwd=cwd, env=env, start_new_session=True,
+    )
 
 
 _DEVNULL: int | None = None

@@ -7,20 +7,23 @@ same noise:
   ``--agents`` agents with ``--slots`` slots each, started with the product's
   default timings, ``--preset lan``, unless ``--preset local`` asks for the test
   suite's fast ones); a recipe with one experiment of ``--tasks``
-  samples whose command is ``true`` is submitted with ``hypermesh submit
+  samples whose command is ``--command`` (``true``) is submitted with ``hypermesh submit
   --wait``. The end-to-end figure is timed from just before ``submit`` starts to
   the moment it exits (CLI start-up and submit included, mesh start-up
   excluded). The agent-side figure is ``tasks / (last ended_at - first
   started_at)`` over the attempts listed by ``hypermesh tasks --json``.
 * baseline: ``xargs -P SLOTS -L 1 -a FILE bash -c`` over a file of N lines
-  ``true``, so that every task is one ``bash -c true`` process, as the agent
-  runs it.
+  ``true``, so that every task is one ``bash -c true`` process. The agents run a
+  command without shell syntax (``true``) directly, as make does, so they start
+  no bash: ``--command 'true;'`` makes them start one per task, as the baseline
+  does, and ``--xargs-direct`` makes the baseline exec the line without bash.
 
 The script prints medians and the ratios of medians; it asserts nothing about
 speed. Every process it starts is stopped before it returns.
 
     .venv/bin/python scripts/bench_dispatch.py [--tasks 2000] [--slots 4] [--agents 1]
-        [--rounds 3] [--preset lan|local] [--no-fsync] [--json]
+        [--rounds 3] [--preset lan|local] [--command true] [--xargs-direct] [--no-fsync]
+        [--json]
 """
 
 from __future__ import annotations
@@ -92,14 +95,14 @@ class BenchError(RuntimeError):
     """A side of the benchmark did not complete; the message says why."""
 
 
-def recipe_text(tasks: int) -> str:
+def recipe_text(tasks: int, command: str = "true") -> str:
     return (
         "name: dispatch\n"
         "experiments:\n"
         "  noop:\n"
         f"    samples: {tasks}\n"
         "    command:\n"
-        '      - "true"\n'
+        f"      - {json.dumps(command)}\n"
     )
 
 
@@ -162,12 +165,13 @@ def agent_span(rows: list[dict[str, Any]], tasks: int) -> float:
 
 
 def run_mesh_round(
-    tasks: int, slots: int, fsync: bool, agents: int = 1, preset: str = "lan"
+    tasks: int, slots: int, fsync: bool, agents: int = 1, preset: str = "lan",
+    command: str = "true",
 ) -> MeshRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-dispatch-") as tmp:
         root = Path(tmp)
         recipe = root / "dispatch.yaml"
-        recipe.write_text(recipe_text(tasks))
+        recipe.write_text(recipe_text(tasks, command))
         mesh = LocalMesh(root / "mesh", agents=agents, slots=slots, fsync=fsync,
                          agent_args=["--preset", preset])
         with mesh:
@@ -212,17 +216,22 @@ def run_mesh_round(
         )
 
 
-def xargs_command(slots: int, lines: Path) -> list[str]:
-    return ["xargs", "-P", str(slots), "-L", "1", "-a", str(lines), "bash", "-c"]
+def xargs_command(slots: int, lines: Path, direct: bool = False) -> list[str]:
+    """``xargs`` running each line as ``bash -c LINE``, or (``direct``) executing the
+    line's words itself, without a shell."""
+    shell = [] if direct else ["bash", "-c"]
+    return ["xargs", "-P", str(slots), "-L", "1", "-a", str(lines), *shell]
 
 
-def run_xargs_round(tasks: int, slots: int) -> XargsRound:
+def run_xargs_round(
+    tasks: int, slots: int, command: str = "true", direct: bool = False
+) -> XargsRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-xargs-") as tmp:
         lines = Path(tmp) / "commands.txt"
-        lines.write_text("true\n" * tasks)
+        lines.write_text(f"{command}\n" * tasks)
         start = time.perf_counter()
         done = subprocess.run(
-            xargs_command(slots, lines),
+            xargs_command(slots, lines, direct),
             stdin=subprocess.DEVNULL,
             timeout=SUBMIT_TIMEOUT_S,
         )
@@ -283,6 +292,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the agents' timing preset: lan (the product's default) or local (the test "
         "suite's fast timers: gossip every 50 ms) [lan]",
     )
+    p.add_argument(
+        "--command",
+        default="true",
+        help="each task's command, on both sides [true]. The agents execute a command "
+        "without shell syntax directly (as make does), so 'true;' measures them with "
+        "bash started per task, as xargs ... bash -c does",
+    )
+    p.add_argument(
+        "--xargs-direct",
+        action="store_true",
+        help="the baseline executes each line itself (xargs -L 1 without bash -c)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name, low in (("tasks", 1), ("slots", 1), ("rounds", 1)):
@@ -299,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}", file=log)
     print(
         f"{args.tasks} tasks, {args.agents} agent(s) x {args.slots} slots, {args.rounds} rounds, "
-        f"preset {args.preset}, "
+        f"preset {args.preset}, command {args.command!r}, baseline "
+        f"{shlex.join(xargs_command(args.slots * args.agents, Path('FILE'), args.xargs_direct))}, "
         f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
         file=log,
     )
@@ -308,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     xargs_rounds: list[XargsRound] = []
     try:
         for i in range(1, args.rounds + 1):
-            m = run_mesh_round(args.tasks, args.slots, fsync, args.agents, args.preset)
+            m = run_mesh_round(
+                args.tasks, args.slots, fsync, args.agents, args.preset, args.command
+            )
             mesh_rounds.append(m)
             print(
                 f"round {i}: hypermesh {m.wall_s:7.2f}s  {m.end_to_end_tps:7.1f} tasks/s "
@@ -322,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=log,
                 flush=True,
             )
-            x = run_xargs_round(args.tasks, args.slots * args.agents)
+            x = run_xargs_round(
+                args.tasks, args.slots * args.agents, args.command, args.xargs_direct
+            )
             xargs_rounds.append(x)
             print(
                 f"round {i}: xargs     {x.wall_s:7.2f}s  {x.tps:7.1f} tasks/s", file=log, flush=True
@@ -361,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                     "agents": args.agents,
                     "rounds": args.rounds,
                     "fsync": fsync,
+                    "preset": args.preset,
+                    "task_command": args.command,
+                    "xargs_direct": args.xargs_direct,
                     "machine": machine(),
                     "hypermesh_rounds": [
                         asdict(r) | {"end_to_end_tps": r.end_to_end_tps, "agent_tps": r.agent_tps}

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from hypermesh.agent.runner import AttemptProcess, Outcome
+from hypermesh.agent.runner import AttemptProcess, Outcome, direct_argv
 
 DEADLINE = 5.0  # seconds any single step below may take before the test fails
 
@@ -310,3 +310,78 @@ def test_a_stop_before_the_run_runs_nothing(tmp_path: Path) -> None:
     outcome = run(process)
     assert (outcome.state, outcome.exit_code, outcome.reason) == ("cancelled", None, "cancelled")
     assert not (tmp_path / "ran").exists()
+
+
+# ------------------------------------------------------------------ without a shell
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("true", ["true"]),
+        ("python3 train.py --lr=0.1 --out /tmp/a,b:c@d%e+f", ["python3", "train.py", "--lr=0.1",
+                                                              "--out", "/tmp/a,b:c@d%e+f"]),
+        ("  sleep   1 ", ["sleep", "1"]),
+        ("./run.sh", ["./run.sh"]),
+        ("true --help", None),  # /bin/true answers --help; the builtin does not
+        ("echo hi", None),  # builtins that differ from their programs
+        ("cd /tmp", None),
+        ("exit 3", None),
+        (". env.sh", None),
+        ("X=1 env", None),  # an assignment
+        ("echo $HOME", None),
+        ("ls *.txt", None),
+        ("a 'b c'", None),
+        ("a > out", None),
+        ("a; b", None),
+        ("a && b", None),
+        ("a\tb", None),
+        ("a\nb", None),
+        ("~/bin/x", None),
+        ("x # comment", None),
+        ("", None),
+        ("   ", None),
+    ],
+)
+def test_which_commands_run_without_a_shell(command: str, argv: list[str] | None) -> None:
+    assert direct_argv(command) == argv
+
+
+def env_lines(tmp_path: Path, command: str, workdir: Path) -> dict[str, str]:
+    env = {"PATH": os.environ["PATH"], "PWD": "/the/agents/folder", "HM_X": "1"}
+    outcome = run(attempt(tmp_path, [command], env=env, cwd=workdir))
+    assert outcome.state == "succeeded"
+    lines = [line for line in log_of(tmp_path).splitlines() if "=" in line and "$" not in line]
+    (tmp_path / "logs" / "attempt.log").unlink()
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_a_plain_command_runs_without_bash_and_sees_what_bash_would_give(
+    tmp_path: Path,
+) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    direct = env_lines(tmp_path, "env", workdir)
+    shell = env_lines(tmp_path, "env;", workdir)  # the same program, through bash
+    assert "SHLVL" in shell and "SHLVL" not in direct  # bash ran only the second
+    # Both see the folder they run in, not the agent's, and the same variables.
+    assert direct["PWD"] == shell["PWD"] == str(workdir)
+    assert direct["HM_X"] == shell["HM_X"] == "1"
+
+
+def test_a_plain_command_that_cannot_start_gets_what_bash_says(tmp_path: Path) -> None:
+    missing = run(attempt(tmp_path, ["no-such-program-hm arg"]))
+    assert (missing.state, missing.exit_code) == ("failed", 127)
+    assert "no-such-program-hm: command not found" in log_of(tmp_path)
+    data = tmp_path / "data.txt"
+    data.write_text("not a program\n")
+    denied = run(attempt(tmp_path, ["./data.txt"]))
+    assert denied.exit_code == 126
+    assert "Permission denied" in log_of(tmp_path)
+    # A script without #! is no program to exec: bash runs it, as before.
+    script = tmp_path / "script"
+    script.write_text("echo from-the-script $((40 + 2))\n")
+    script.chmod(0o755)
+    ran = run(attempt(tmp_path, ["./script"]))
+    assert ran.state == "succeeded"
+    assert "from-the-script 42" in log_of(tmp_path)
