@@ -448,12 +448,15 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
     def on_batch(revision: int) -> None:
         changed.set()
 
-    # Only the keys that progress depends on: not attempts, slots or other workflows.
+    # Only the keys that progress depends on: not attempts, slots or other workflows,
+    # followed through one watch, so that the final state arrives after every result.
     prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
         ks.kind_prefix(kind, wid)
         for kind in ("expanded", "task", "claim", "result", "expctl", "block", "bclaim", "bdone")
     ]
-    mirrors = [asyncio.create_task(etcd.mirror(p, view.apply, on_batch)) for p in prefixes]
+    mirrors = [
+        asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, only=prefixes))
+    ]
     display = None if as_json else ProgressDisplay(wid)
     last: dict[str, Any] | None = None
     try:
@@ -463,11 +466,6 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             if wid not in view.workflows:
                 continue
             summary = view.workflow_summary(wid)
-            if summary["state"] in TERMINAL:
-                # The mirrors watch separate prefixes, so the final state can arrive
-                # before the last results; both were written before it, so a fresh
-                # read now shows the end as it is.
-                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
             elif summary != last:

@@ -121,12 +121,15 @@ class Etcd:
             return None
         return resp.kvs[0].value, resp.kvs[0].mod_revision
 
-    async def get_prefix(self, prefix: str) -> tuple[list[Any], int]:
-        """All key-values under ``prefix`` and the revision they were read at."""
+    async def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[Any], int]:
+        """All key-values under ``prefix`` (as of ``revision``, or now) and the revision
+        they were read at."""
         resp = await self._call(
-            "range", self.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self.timeout)
+            "range",
+            self.kv.get(prefix, range_end=prefix_range_end(prefix), revision=revision,
+                        timeout=self.timeout),
         )
-        return list(resp.kvs), resp.header.revision
+        return list(resp.kvs), revision or resp.header.revision
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         resp = await self._call("put", self.kv.put(key, value, lease=lease, timeout=self.timeout))
@@ -311,6 +314,7 @@ class Etcd:
         *,
         reset: Callable[[], None] | None = None,
         ready: asyncio.Event | None = None,
+        only: Sequence[str] = (),
     ) -> None:
         """Feed every key under ``prefix`` to ``apply``, then every change, forever.
 
@@ -318,14 +322,23 @@ class Etcd:
         then each watch response). A compacted watch calls ``reset`` and reloads
         the prefix; a broken one resumes at the next revision; a transient etcd
         outage is retried with backoff.
+
+        ``only``: the keys under these prefixes (within ``prefix``) alone, loaded
+        each at one revision and followed through the one watch of ``prefix``: a
+        change arrives after every change etcd made before it, under any of them,
+        which separate watches per prefix cannot promise.
         """
         assert self.client.watch is not None
+        wanted = tuple(only) or (prefix,)
         backoff = 0.2
         revision = 0
         while True:
             try:
                 if revision == 0:
-                    kvs, revision = await self.get_prefix(prefix)
+                    kvs, loaded_at = await self.get_prefix(wanted[0])
+                    for more in wanted[1:]:
+                        kvs += (await self.get_prefix(more, loaded_at))[0]
+                    revision = loaded_at  # only once all of it is loaded
                     if reset is not None:
                         reset()
                     for kv in kvs:
@@ -343,8 +356,11 @@ class Etcd:
                         break
                     for ev in resp.events:
                         kv = ev.kv
+                        key = kv.key.decode()
+                        if only and not key.startswith(wanted):
+                            continue
                         value = None if ev.type == 1 else kv.value
-                        apply(kv.key.decode(), value, kv.create_revision, kv.mod_revision)
+                        apply(key, value, kv.create_revision, kv.mod_revision)
                     revision = max(revision, resp.header.revision)
                     on_batch(revision)
                     backoff = 0.2

@@ -5,6 +5,7 @@ over to another member, fenced transactions and leases behave as designed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -220,5 +221,42 @@ def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
             with pytest.raises(EtcdUnavailable):
                 await etcd.txn([], too_many)
             assert calls == ["ok"]
+
+    asyncio.run(scenario())
+
+
+def test_a_mirror_of_several_prefixes_sees_changes_in_etcd_order(
+    etcd_server: EtcdServer,
+) -> None:
+    """``mirror(root, only=...)``: loads the chosen prefixes at one revision, ignores the
+    rest of ``root``, and applies changes to all of them in the order etcd made them."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            await etcd.put("/m/a/1", b"a1")
+            await etcd.put("/m/b/1", b"b1")
+            await etcd.put("/m/other/1", b"x")
+            seen: list[tuple[str, bytes | None]] = []
+            batches: list[int] = []
+            ready = asyncio.Event()
+            mirror = asyncio.create_task(etcd.mirror(
+                "/m/", lambda key, value, *_: seen.append((key, value)), batches.append,
+                ready=ready, only=["/m/a/", "/m/b/"],
+            ))
+            try:
+                await asyncio.wait_for(ready.wait(), 10)
+                assert sorted(seen) == [("/m/a/1", b"a1"), ("/m/b/1", b"b1")]
+                seen.clear()
+                for key in ("/m/b/2", "/m/other/2", "/m/a/2", "/m/b/3"):
+                    await etcd.put(key, key.encode())
+                last = await etcd.put("/m/a/3", b"last")
+                await etcd.txn([], [etcd.op_delete("/m/b/1")])
+                await wait_until(lambda: ("/m/b/1", None) in seen, 10, "the delete")
+                assert [k for k, _ in seen] == ["/m/b/2", "/m/a/2", "/m/b/3", "/m/a/3", "/m/b/1"]
+                assert max(batches) > last
+            finally:
+                mirror.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mirror
 
     asyncio.run(scenario())
