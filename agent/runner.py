@@ -152,6 +152,8 @@ class AttemptProcess:
     async def _start(self, command: str, log: int, start: _Starter) -> Any:
         """``start`` the command's own arguments, or else bash's."""
         argv = direct_argv(command)
+        if argv is not None and not _BASH_ENV.isdisjoint(self.env):
+            argv = None  # bash would read a file or set options first: let it
         if argv is not None:
             # bash would set PWD to the folder it starts in; a program started
             # directly would otherwise see the agent's.
@@ -215,6 +217,11 @@ _SHELL_WORDS = frozenset({
     "shopt", "source", "suspend", "test", "then", "time", "times", "trap", "type",
     "typeset", "ulimit", "umask", "unalias", "unset", "until", "wait", "while",
 })  # (the others, such as [[ or {, are not plain: see _PLAIN)
+
+
+# Variables by which the environment makes bash do something before the command (read
+# a start-up file, trace it...): with any of them set, commands go through bash.
+_BASH_ENV = frozenset({"BASH_ENV", "SHELLOPTS", "BASHOPTS"})
 
 
 def direct_argv(command: str) -> list[str] | None:

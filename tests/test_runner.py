@@ -369,6 +369,15 @@ def test_a_plain_command_runs_without_bash_and_sees_what_bash_would_give(
     assert direct["HM_X"] == shell["HM_X"] == "1"
 
 
+def test_an_environment_that_sets_bash_up_keeps_commands_in_bash(tmp_path: Path) -> None:
+    setup = tmp_path / "setup.sh"
+    setup.write_text("export FROM_BASH_ENV=yes\n")
+    env = {"PATH": os.environ["PATH"], "BASH_ENV": str(setup)}
+    outcome = run(attempt(tmp_path, ["env"], env=env))
+    assert outcome.state == "succeeded"
+    assert "FROM_BASH_ENV=yes" in log_of(tmp_path)  # bash read it, as without the shortcut
+
+
 def test_a_plain_command_that_cannot_start_gets_what_bash_says(tmp_path: Path) -> None:
     missing = run(attempt(tmp_path, ["no-such-program-hm arg"]))
     assert (missing.state, missing.exit_code) == ("failed", 127)
