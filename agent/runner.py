@@ -152,8 +152,10 @@ class AttemptProcess:
     async def _start(self, command: str, log: int, start: _Starter) -> Any:
         """``start`` the command's own arguments, or else bash's."""
         argv = direct_argv(command)
-        if argv is not None and not _BASH_ENV.isdisjoint(self.env):
-            argv = None  # bash would read a file or set options first: let it
+        if argv is not None and (
+            not _BASH_ENV.isdisjoint(self.env) or f"BASH_FUNC_{argv[0]}%%" in self.env
+        ):
+            argv = None  # bash would read a file, set options or call a function: let it
         if argv is not None:
             # bash would set PWD to the folder it starts in; a program started
             # directly would otherwise see the agent's.

@@ -376,6 +376,10 @@ def test_an_environment_that_sets_bash_up_keeps_commands_in_bash(tmp_path: Path)
     outcome = run(attempt(tmp_path, ["env"], env=env))
     assert outcome.state == "succeeded"
     assert "FROM_BASH_ENV=yes" in log_of(tmp_path)  # bash read it, as without the shortcut
+    # A function exported under a program's name is what bash would call.
+    env = {"PATH": os.environ["PATH"], "BASH_FUNC_env%%": "() {  echo the-function; }"}
+    run(attempt(tmp_path, ["env"], env=env))
+    assert "the-function" in log_of(tmp_path)
 
 
 def test_a_plain_command_that_cannot_start_gets_what_bash_says(tmp_path: Path) -> None:
