@@ -148,13 +148,12 @@ class Etcd:
         revision and no responses.
         """
         failure = list(failure)
-        checks = _effect_reads(success)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         backoff = TXN_RETRY_BACKOFF_S
         retried = False
+        fail_ops = failure
         while True:
-            fail_ops = failure + checks if retried else failure
             try:
                 resp = await self.kv.txn(
                     compare, success, fail_ops,
@@ -168,7 +167,9 @@ class Etcd:
                 log.info("txn: %s; retrying in %.2fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff *= 2
-                retried = True
+                if not retried:
+                    retried = True
+                    fail_ops = failure + _effect_reads(success)
                 continue
             if resp.succeeded or not retried:
                 return TxnResult(bool(resp.succeeded), int(resp.header.revision), resp.responses)
