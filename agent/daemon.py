@@ -52,7 +52,7 @@ from hypermesh._proto import agent_pb2_grpc
 from hypermesh.blocks import block_size
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
-from hypermesh.etcd import Etcd
+from hypermesh.etcd import Etcd, hush_broken_stream_noise
 from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
 from hypermesh.recipe import Experiment
@@ -226,6 +226,7 @@ class Agent:
         (self.work_dir / "checkpoints").mkdir(exist_ok=True)
         self.dirs.open()
         use_pidfd_child_watcher()
+        hush_broken_stream_noise(asyncio.get_running_loop())
         await self.etcd.connect()
         self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
         agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)

@@ -273,19 +273,18 @@ class Etcd:
         interval = keepalive_interval(ttl)
         last_ok = clock()
 
-        async def requests() -> Any:
-            while True:
-                yield LeaseKeepAliveRequest(ID=lease)
-                await asyncio.sleep(interval)
-
+        request = LeaseKeepAliveRequest(ID=lease)
         while True:
             # etcd3aio exposes no persistent keep-alive stream; its stub is the way in
-            # (the dependency is pinned to an exact version for this reason).
-            stream = self.client.lease._stub.LeaseKeepAlive(requests())
+            # (the dependency is pinned to an exact version for this reason). Requests
+            # are written, not drawn from an async generator: grpc.aio closing one that
+            # is asleep when the connection breaks logs errors.
+            stream = self.client.lease._stub.LeaseKeepAlive()
             try:
                 while True:
+                    await stream.write(request)
                     # asyncio.timeout, not wait_for: no task per renewal (3.11)
-                    async with asyncio.timeout(interval + self.timeout):
+                    async with asyncio.timeout(self.timeout):
                         answer = await stream.read()
                     if answer is grpc.aio.EOF:
                         break
@@ -295,7 +294,8 @@ class Etcd:
                     last_ok = clock()
                     if on_renewed is not None:
                         on_renewed(last_ok)
-            except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                    await asyncio.sleep(interval)
+            except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as exc:
                 if _cancelled(exc):
                     raise asyncio.CancelledError from exc
                 log.warning("lease %x keep-alive: %s", lease, exc)
@@ -426,6 +426,25 @@ def _committed_at(success: Sequence[Any], reads: Sequence[Any]) -> int | None:
     return revisions.pop() if revisions else 0
 
 
+def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:
+    """When a streaming call breaks (etcd3aio's watches feed theirs from an async
+    generator), grpc.aio can leave the task that consumes the request iterator pending
+    and the generator half-closed (grpc/grpc#29518); asyncio then reports both as
+    errors, though nothing was lost and the stream is opened again. Those two go to the
+    debug log; every other report to asyncio's default handler."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        what = f"{context.get('task') or context.get('future')!r} {context.get('exception')!r}"
+        if "_consume_request_iterator" in what or (
+            "asynchronous generator is already running" in what
+        ):
+            log.debug("grpc.aio stream cleanup: %s %s", context.get("message"), what)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 def keepalive_interval(ttl: int) -> float:
     """Seconds between lease renewals: a third of the TTL, so two renewals may fail
     before the lease expires, but never less than 0.5 s."""
@@ -437,6 +456,7 @@ __all__ = [
     "MAX_TXN_OPS",
     "Etcd",
     "LeaseLost",
+    "hush_broken_stream_noise",
     "keepalive_interval",
     "parse_endpoints",
 ]

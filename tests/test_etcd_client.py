@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from hypermesh.errors import EtcdUnavailable, UsageError
-from hypermesh.etcd import Etcd, parse_endpoints
+from hypermesh.etcd import Etcd, hush_broken_stream_noise, parse_endpoints
 from hypermesh.localmesh import EtcdCluster, EtcdServer
 
 
@@ -260,3 +261,31 @@ def test_a_mirror_of_several_prefixes_sees_changes_in_etcd_order(
                     await mirror
 
     asyncio.run(scenario())
+
+
+def test_grpc_stream_cleanup_reports_are_hushed_and_others_are_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        hush_broken_stream_noise(loop)
+
+        async def _consume_request_iterator() -> None:  # named as grpc.aio's task is
+            await asyncio.sleep(0)
+
+        task = loop.create_task(_consume_request_iterator())
+        await task
+        loop.call_exception_handler({"message": "Task was destroyed but it is pending!",
+                                     "task": task})
+        loop.call_exception_handler({
+            "message": "Task exception was never retrieved",
+            "exception": RuntimeError("aclose(): asynchronous generator is already running"),
+        })
+        loop.call_exception_handler({"message": "something else broke",
+                                     "exception": ValueError("real")})
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["something else broke"]
+    assert sum("grpc.aio stream cleanup" in r.getMessage() for r in caplog.records) == 2

@@ -15,13 +15,15 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hypermesh.etcd import Etcd, parse_endpoints
 from hypermesh.keyspace import Keyspace
-from hypermesh.localmesh import EtcdCluster, wait_for
+from hypermesh.localmesh import EtcdCluster, EtcdServer, wait_for
 from tests.conftest import Mesh, process_gone, task_pid
+from tests.tcp_proxy import CuttingProxy
 
 
 def successes(task: dict) -> int:
@@ -265,6 +267,49 @@ def test_etcd_cluster_loses_a_member_and_no_task_fails(tmp_path: Path) -> None:
     finally:
         mesh.close()
         cluster.stop()
+
+
+@pytest.mark.parametrize("batch", ["    batch: 1\n", "    batch: 4\n"], ids=["per-task", "blocks"])
+def test_connections_to_etcd_cut_again_and_again_lose_no_task(
+    etcd_server: EtcdServer, tmp_path: Path, batch: str
+) -> None:
+    """Every connection from the agents to etcd is reset, again and again, while they
+    claim and record tasks: some transactions commit and lose their answer. None may
+    leave a task claimed by nobody, and every task succeeds exactly once."""
+    with CuttingProxy("127.0.0.1", int(etcd_server.url.rsplit(":", 1)[1])) as proxy:
+        cli = Mesh(etcd_server, tmp_path / "cli")
+        agents = Mesh(SimpleNamespace(url=proxy.url), tmp_path)  # type: ignore[arg-type]
+        agents.namespace = cli.namespace
+        try:
+            agents.agent("node1", slots=4)
+            agents.agent("node2", slots=4)
+            recipe = agents.write_recipe(
+                f"experiments:\n  steady:\n    samples: 200\n{batch}"
+                "    command: ['sleep 0.2']\n"
+            )
+            wid = cli.submit(recipe)
+            done = threading.Event()
+
+            def cutter() -> None:  # at most 30 cuts, 0.4 s apart, while the run lasts
+                while proxy.cuts < 30 and not done.wait(0.4):
+                    proxy.cut()
+
+            cutting = threading.Thread(target=cutter, daemon=True)
+            cutting.start()
+            try:
+                status = cli.wait_state(wid, {"succeeded", "failed"}, timeout=120)
+            finally:
+                done.set()
+                cutting.join(timeout=5)
+            assert status["state"] == "succeeded"
+            tasks = cli.hm_json("tasks", wid)
+            assert len(tasks) == 200 and all(successes(t) == 1 for t in tasks)
+            assert proxy.cuts >= 5  # the run really was disturbed (it lasts 5 s at least)
+        except BaseException:
+            print(agents.logs())
+            raise
+        finally:
+            agents.close()
 
 
 def test_leader_revokes_a_silent_node_before_its_lease_expires(mesh: Mesh) -> None:
