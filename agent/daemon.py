@@ -523,7 +523,7 @@ class Agent:
                     await self._lead()
                 self._stop_cancelled()
                 if self.unsure:
-                    await self.unsure.settle(self._claim_in_use)
+                    await self.unsure.settle(self.running, self.blocks.held)
                 await self._claim()
             except LeaseLost:
                 self._lease_lost.set()
@@ -531,12 +531,6 @@ class Agent:
                 log.warning("%s: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
                 self._wake.set()
-
-    def _claim_in_use(self, key: str) -> bool:
-        """Whether the claim ``key`` (of a task or a block) is one this node runs."""
-        return any(self.ks.claim(ref) == key for ref in self.running) or any(
-            self.ks.block_claim(bref) == key for bref in self.blocks.held
-        )
 
     async def _run_gossip(self) -> None:
         await self._mirror_ready.wait()  # seeds come from the etcd registry

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from hypermesh.etcd import Etcd
-from hypermesh.keyspace import BlockRef, Keyspace
+from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.model import Attempt
 from hypermesh.txns import ClaimPlan, finish_attempt
 
@@ -27,7 +27,8 @@ from hypermesh.txns import ClaimPlan, finish_attempt
 @dataclass(frozen=True)
 class _Unsure:
     key: str
-    plan: ClaimPlan | None  # a task claim, or None for a block claim
+    plan: ClaimPlan | None  # a task claim, or None for a block claim (``bref``)
+    bref: BlockRef | None
     started_at: float
 
 
@@ -50,21 +51,25 @@ class UnsureClaims:
         """``claim_tasks`` for ``plans`` failed without an answer."""
         for plan in plans:
             key = self.ks.claim(plan.ref)
-            self._pending[key] = _Unsure(key, plan, started_at)
+            self._pending[key] = _Unsure(key, plan, None, started_at)
 
     def block(self, bref: BlockRef) -> None:
         """``claim_block`` for ``bref`` failed without an answer."""
         key = self.ks.block_claim(bref)
-        self._pending[key] = _Unsure(key, None, 0.0)
+        self._pending[key] = _Unsure(key, None, bref, 0.0)
 
-    async def settle(self, in_use: Callable[[str], bool]) -> list[str]:
-        """Read each claim back; give back those held under this node's lease that
-        ``in_use(key)`` denies (claimed again since, successfully, they are in use).
-        Returns the keys given back. ``EtcdUnavailable`` leaves the rest for later."""
+    async def settle(self, running: Container[TaskRef], held: Container[BlockRef]) -> list[str]:
+        """Read each claim back; give back those held under this node's lease that are
+        neither among ``running`` tasks nor ``held`` blocks (claimed again since,
+        successfully, they are in use). Returns the keys given back.
+        ``EtcdUnavailable`` leaves the rest for later."""
         given = []
         for key, unsure in list(self._pending.items()):
             got = await self.etcd.get(key)
-            if got is not None and not in_use(key):
+            in_use = (unsure.plan is not None and unsure.plan.ref in running) or (
+                unsure.bref is not None and unsure.bref in held
+            )
+            if got is not None and not in_use:
                 value, revision = got
                 claim = json.loads(value)
                 if claim.get("node") == self.node and claim.get("lease") == self._lease():

@@ -501,9 +501,7 @@ class MeshView:
             ref = TaskRef(bref.workflow, bref.experiment, index)
             if ref in self.results and ref not in self.claims:
                 continue  # decided and not shown running: no holder changes that
-            before = self._raw_state(ref)
-            self._set_block_claim(ref, holder)
-            self._refresh_open(ref, before)
+            self._refresh_block_task(ref, holder, self._raw_state(ref))
 
     def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
@@ -588,8 +586,9 @@ class MeshView:
                 self._result_revisions.pop(ref, None)
                 self._refresh_open(ref, before)
                 touched.add(ref)
+        holder = self.block_claims.get(bref)
         for ref in touched:
-            self._refresh_block_task(bref, ref)
+            self._refresh_block_task(ref, holder, self._raw_state(ref))
 
     def _recount_decisions(self, bref: BlockRef) -> None:
         """Count the block's decided tasks again from the batches left (one was deleted)."""
@@ -652,14 +651,13 @@ class MeshView:
             self.results[ref] = Result(state, n, exit_code, ended_at)
             self._result_revisions[ref] = mrev
         holder = self.block_claims.get(bref)
-        for ref in prior:  # each task whose attempts or result changed
-            self._set_block_claim(ref, holder)
-        for ref, was in prior.items():
-            self._refresh_open(ref, was)
+        for ref, was in prior.items():  # each task whose attempts or result changed
+            self._refresh_block_task(ref, holder, was)
 
-    def _refresh_block_task(self, bref: BlockRef, ref: TaskRef) -> None:
-        before = self._raw_state(ref)
-        self._set_block_claim(ref, self.block_claims.get(bref))
+    def _refresh_block_task(self, ref: TaskRef, holder: Claim | None, before: str | None) -> None:
+        """Set the block task's claim from ``holder`` and count its change of state
+        from ``before``."""
+        self._set_block_claim(ref, holder)
         self._refresh_open(ref, before)
 
     def _set_block_claim(self, ref: TaskRef, holder: Claim | None) -> None:

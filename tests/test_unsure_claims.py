@@ -44,7 +44,7 @@ def test_claims_of_unknown_outcome_are_read_back_and_given_back(
             unsure.block(bref)
             assert unsure
 
-            given = await unsure.settle(lambda key: key == ks.claim(in_use.ref))
+            given = await unsure.settle({in_use.ref}, set())
 
             assert sorted(given) == sorted([ks.claim(written.ref), ks.block_claim(bref)])
             assert not unsure  # settled: nothing left to read back
