@@ -27,7 +27,6 @@ import logging
 import os
 import signal
 import string
-import subprocess
 import sys
 import time
 import warnings
@@ -35,6 +34,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hypermesh.agent.spawn import spawn
 
 log = logging.getLogger("hypermesh.agent")
 
@@ -71,7 +72,7 @@ class AttemptProcess:
         self.grace = grace
         self._stop_reason: str | None = None
         self._woken: asyncio.Future[str] | None = None  # what a running command awaits
-        self._proc: Any = None  # subprocess.Popen, or asyncio's Process without pidfds
+        self._proc: Any = None  # a spawn.Child (or Popen), or asyncio's Process without pidfds
 
     @property
     def pid(self) -> int | None:
@@ -321,10 +322,7 @@ _Starter = Callable[[list[str], int, "str | Path", Mapping[str, str]], Awaitable
 
 
 async def _popen(args: list[str], log: int, cwd: str | Path, env: Mapping[str, str]) -> Any:
-    return subprocess.Popen(
-        args, stdin=_devnull(), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
-        start_new_session=True,
-    )
+    return spawn(args, cwd=os.fspath(cwd), env=env, stdin=_devnull(), stdout=log)
 
 
 async def _asyncio_exec(

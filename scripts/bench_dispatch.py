@@ -16,7 +16,7 @@ same noise:
   ``true``, so that every task is one ``bash -c true`` process. The agents run a
   command without shell syntax (``true``) directly, as make does, so they start
   no bash: ``--command 'true;'`` makes them start one per task, as the baseline
-  does, and ``--xargs-direct`` makes the baseline exec the line without bash.
+  does, and ``--xargs-direct`` makes the baseline exec the command without bash.
 
 The script prints medians and the ratios of medians; it asserts nothing about
 speed. Every process it starts is stopped before it returns.
@@ -216,11 +216,14 @@ def run_mesh_round(
         )
 
 
-def xargs_command(slots: int, lines: Path, direct: bool = False) -> list[str]:
-    """``xargs`` running each line as ``bash -c LINE``, or (``direct``) executing the
-    line's words itself, without a shell."""
-    shell = [] if direct else ["bash", "-c"]
-    return ["xargs", "-P", str(slots), "-L", "1", "-a", str(lines), *shell]
+def xargs_command(
+    slots: int, lines: Path, direct: bool = False, command: str = "true"
+) -> list[str]:
+    """``xargs`` running each line as ``bash -c LINE``, or (``direct``) executing
+    ``command``'s words itself, without a shell, with the line (the task's number) as
+    one more argument. (``xargs`` with no command would run ``echo LINE``.)"""
+    run = shlex.split(command) if direct else ["bash", "-c"]
+    return ["xargs", "-P", str(slots), "-L", "1", "-a", str(lines), *run]
 
 
 def run_xargs_round(
@@ -228,10 +231,12 @@ def run_xargs_round(
 ) -> XargsRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-xargs-") as tmp:
         lines = Path(tmp) / "commands.txt"
-        lines.write_text(f"{command}\n" * tasks)
+        lines.write_text(
+            "".join(f"{i}\n" for i in range(tasks)) if direct else f"{command}\n" * tasks
+        )
         start = time.perf_counter()
         done = subprocess.run(
-            xargs_command(slots, lines, direct),
+            xargs_command(slots, lines, direct, command),
             stdin=subprocess.DEVNULL,
             timeout=SUBMIT_TIMEOUT_S,
         )
@@ -302,7 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--xargs-direct",
         action="store_true",
-        help="the baseline executes each line itself (xargs -L 1 without bash -c)",
+        help="the baseline executes --command itself, once per line (xargs -L 1 true N, "
+        "without bash -c); the agents must then execute it directly too",
     )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
@@ -317,11 +323,14 @@ def main(argv: list[str] | None = None) -> int:
     fsync = not args.no_fsync
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     log = sys.stderr if args.json else sys.stdout
+    baseline = xargs_command(
+        args.slots * args.agents, Path("FILE"), args.xargs_direct, args.command
+    )
     print(f"command: {command}", file=log)
     print(
         f"{args.tasks} tasks, {args.agents} agent(s) x {args.slots} slots, {args.rounds} rounds, "
         f"preset {args.preset}, command {args.command!r}, baseline "
-        f"{shlex.join(xargs_command(args.slots * args.agents, Path('FILE'), args.xargs_direct))}, "
+        f"{shlex.join(baseline)}, "
         f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
         file=log,
     )
