@@ -77,37 +77,39 @@ class LogShipper:
                 self._store = open_store(self.store_url)
             return self._store
 
-    async def copy(self, ref: TaskRef, attempt: int, path: Path) -> bool:
+    async def copy(self, ref: TaskRef, attempt: int, path: str | Path) -> bool:
         """Upload the log as it is now; False (and a warning) if that failed."""
         key = log_key(self.namespace, ref, attempt)
         try:
-            await asyncio.to_thread(lambda: self._open().put_file(key, path))
+            await asyncio.to_thread(lambda: self._open().put_file(key, Path(path)))
             return True
         except (HypermeshError, OSError) as exc:
             log.warning("copying the log of %s attempt %d to the store: %s", ref, attempt, exc)
             return False
 
-    def while_running(self, ref: TaskRef, attempt: int, path: Path) -> asyncio.Task[None] | None:
+    def while_running(
+        self, ref: TaskRef, attempt: int, path: str | Path
+    ) -> asyncio.Task[None] | None:
         """A task that copies the log every ``interval`` seconds while it grows;
         the caller cancels it when the attempt ends."""
         if not self.enabled:
             return None
         return asyncio.create_task(self._periodic(ref, attempt, path), name=f"log copy {ref}")
 
-    async def _periodic(self, ref: TaskRef, attempt: int, path: Path) -> None:
+    async def _periodic(self, ref: TaskRef, attempt: int, path: str | Path) -> None:
         copied = -1
         while True:
             await asyncio.sleep(self.interval)
             try:
-                size = path.stat().st_size
+                size = os.stat(path).st_size
             except FileNotFoundError:
                 continue
             if size != copied and await self.copy(ref, attempt, path):
                 copied = size
 
-    def after_end(self, ref: TaskRef, attempt: int, path: Path) -> None:
+    def after_end(self, ref: TaskRef, attempt: int, path: str | Path) -> None:
         """Copy the finished log in the background (``flush`` waits for it)."""
-        if not self.enabled or not path.exists():
+        if not self.enabled or not os.path.exists(path):
             return
         task = asyncio.create_task(self.copy(ref, attempt, path))
         self._pending.add(task)

@@ -164,7 +164,9 @@ class MetricsWatch:
         await self.flush(force=True)
 
 
-def attempt_watch(agent: Agent, r: Running, exp: Experiment, log_path: Path) -> MetricsWatch:
+def attempt_watch(
+    agent: Agent, r: Running, exp: Experiment, log_path: str | Path
+) -> MetricsWatch:
     """The watch of attempt ``r`` of ``agent``: stores fenced by the attempt's claim, and
     prunes through ``search.should_prune`` when the experiment asks for pruning."""
     ref, n = r.plan.ref, r.plan.attempt

@@ -60,7 +60,7 @@ class AttemptProcess:
         *,
         env: Mapping[str, str],
         cwd: str | Path,
-        log_path: Path,
+        log_path: str | Path,
         timeout: float | None,
         grace: float,
     ) -> None:
@@ -247,7 +247,7 @@ class LazyLog:
     """An attempt's log file, made at the first byte that goes into it. Header lines
     wait for output to follow them; notes (failures, timeouts) are written at once."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.path = path
         self._file: Any = None
         self._pending = b""  # the running command's header line, until output follows
@@ -267,7 +267,7 @@ class LazyLog:
             return
         try:
             if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
                 self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (see close)
                 self._file.write(self._pending)
             self._file.write(data)

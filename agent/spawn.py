@@ -95,7 +95,10 @@ def _use_popen() -> None:
 def _fork_exec(
     argv: Sequence[str], cwd: str, env: Mapping[str, str], stdin: int, stdout: int
 ) -> Child:
-    env_list = [_env_entry(key, value) for key, value in env.items()]
+    entries = _ENV_ENTRIES
+    if len(entries) > _ENV_ENTRIES_MAX:
+        entries.clear()
+    env_list = [entries.get(item) or _env_entry(item) for item in env.items()]
     executables = _executables(argv[0], env.get("PATH"))
     errpipe_read, errpipe_write = os.pipe()
     to_close = []
@@ -145,12 +148,20 @@ def _call_fork_exec(
         raise _Unsupported(str(e)) from e
 
 
-@functools.lru_cache(maxsize=8192)
-def _env_entry(key: str, value: str) -> bytes:
+_ENV_ENTRIES: dict[tuple[str, str], bytes] = {}
+"""``NAME=value`` as ``execve`` wants it, by (name, value): one dictionary lookup per
+variable for the next task of the same experiment."""
+
+_ENV_ENTRIES_MAX = 8192
+
+
+def _env_entry(item: tuple[str, str]) -> bytes:
+    key, value = item
     name = os.fsencode(key)
     if b"=" in name:
         raise ValueError(f"illegal environment variable name {key!r}")
-    return name + b"=" + os.fsencode(value)
+    _ENV_ENTRIES[item] = entry = name + b"=" + os.fsencode(value)
+    return entry
 
 
 @functools.lru_cache(maxsize=256)
