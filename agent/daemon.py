@@ -14,6 +14,7 @@ import contextlib
 import gc
 import importlib
 import logging
+import math
 import os
 import random
 import signal
@@ -47,6 +48,7 @@ from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watc
 from hypermesh.agent.share_config import ShareConfig
 from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
 from hypermesh.agent.unsure import UnsureClaims
+from hypermesh.agent.wake_timer import WakeTimer
 
 from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
@@ -55,7 +57,7 @@ from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.etcd import Etcd, hush_broken_stream_noise
 from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.model import Attempt, MeshView, NodeRecord, dumps
+from hypermesh.model import TERMINAL, Attempt, MeshView, NodeRecord, dumps
 from hypermesh.recipe import Experiment
 from hypermesh.sampling import expand, expand_more, experiment_seed
 from hypermesh.search import is_adaptive
@@ -67,12 +69,17 @@ from hypermesh.txns import (
     claim_tasks,
     expand_experiment,
     finish_attempts,
+    publish_progress,
     set_workflow_state,
 )
 
 log = logging.getLogger("hypermesh.agent")
 
 STOP_STEP_S = 5.0  # longest wait for each step of stopping
+
+PROGRESS_S = 1.0
+"""Least time between two progress summaries of one workflow the leader publishes
+(``progress/<wid>``, followed by ``submit --wait`` and ``status --watch``), seconds."""
 
 
 def bind_dashboard(listen: str) -> socket.socket:
@@ -122,6 +129,9 @@ class Agent:
         self.ks = Keyspace(namespace)
         self.etcd = Etcd(endpoints)
         self.view = MeshView(self.ks)
+        # The summaries this node published as leader (``progress/``), and when.
+        self._published: dict[str, tuple[dict[str, Any] | None, float]] = {}
+        self._progress_timer = WakeTimer(self._lead_again)
         self._node_record: tuple[tuple[object, ...], NodeRecord] | None = None
         # Only the leader (and a node claiming a block) needs every batch of every block
         # applied; the rest wait in the view until asked for (``full_view``).
@@ -536,6 +546,7 @@ class Agent:
             leading = self.is_leader
             if leading == self.view.defer_batches:  # it took over, or handed over
                 self.view.set_defer_batches(not leading)
+                self._published.clear()  # what another leader published since is unknown
             try:
                 if self._leader_dirty and leading:
                     self._leader_dirty = False
@@ -586,6 +597,7 @@ class Agent:
             elif isinstance(action, leader.Suggest):
                 await self._suggest(action)
             else:
+                summary = self.view.workflow_summary(action.workflow) | {"state": action.state}
                 if await set_workflow_state(
                     self.etcd,
                     self.ks,
@@ -593,8 +605,33 @@ class Agent:
                     action.expected,
                     action.state,
                     action.state_revision,
+                    summary,
                 ):
+                    self._published[action.workflow] = (summary, time.monotonic())
                     self.decide(f"workflow {action.workflow} is {action.state}")
+        await self._publish_progress()
+
+    async def _publish_progress(self) -> None:
+        """Publish the summary of each running workflow that changed (``progress/``),
+        at most every ``PROGRESS_S`` each; a change held back wakes the loop when due."""
+        now = time.monotonic()
+        due = math.inf
+        for wid in list(self.view.workflows):
+            revision = self.view.workflow_state_revisions.get(wid)
+            if revision is None or self.view.workflow_state(wid) in TERMINAL:
+                self._published.pop(wid, None)
+                continue
+            last, at = self._published.get(wid, (None, -math.inf))
+            if now - at < PROGRESS_S:  # not even looked at: at most once a period
+                due = min(due, at + PROGRESS_S)
+                continue
+            summary = self.view.workflow_summary(wid)
+            if summary == last:
+                continue
+            if await publish_progress(self.etcd, self.ks, wid, summary, revision) is not None:
+                self._published[wid] = (summary, now)
+        if due < math.inf:
+            self._progress_timer.at(due)
 
     def _block_size(self, wid: str, exp: Experiment, count: int) -> int:
         """Tasks per block of an expansion: the size of the experiment's blocks written
@@ -646,6 +683,10 @@ class Agent:
         return load
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def _lead_again(self) -> None:
+        self._leader_dirty = True
         self._wake.set()
 
     def stop_block(self, bref: BlockRef, refs: list[TaskRef]) -> None:

@@ -439,7 +439,13 @@ def _submitted(wf: WorkflowRecord, state: str, as_json: bool) -> None:
 
 async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> str:
     """Show a workflow's progress until it ends; return its final state. On stderr
-    (bars or lines), or with ``as_json`` as one status object per change on stdout."""
+    (bars or lines), or with ``as_json`` as one status object per change on stdout.
+
+    What is shown is the summary the leader publishes (``progress/<wid>``, about once
+    a second while the workflow runs, and with its final state), so following a
+    workflow costs the same whatever its size: the CLI watches three keys, not every
+    task's records. A workflow that ended without a final summary (cancelled from the
+    CLI, or run by an older leader) is summarized from its records once, at the end."""
     from hypermesh.progress import ProgressDisplay
 
     view = MeshView(ks)
@@ -448,15 +454,8 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
     def on_batch(revision: int) -> None:
         changed.set()
 
-    # Only the keys that progress depends on: not attempts, slots or other workflows,
-    # followed through one watch, so that the final state arrives after every result.
-    prefixes = [ks.workflow(wid), ks.workflow_state(wid)] + [
-        ks.kind_prefix(kind, wid)
-        for kind in ("expanded", "task", "claim", "result", "expctl", "block", "bclaim", "bdone")
-    ]
-    mirrors = [
-        asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, only=prefixes))
-    ]
+    keys = [ks.workflow(wid), ks.workflow_state(wid), ks.progress(wid)]
+    mirrors = [asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, only=keys))]
     display = None if as_json else ProgressDisplay(wid)
     last: dict[str, Any] | None = None
     try:
@@ -465,7 +464,11 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             changed.clear()
             if wid not in view.workflows:
                 continue
-            summary = view.workflow_summary(wid)
+            summary = _followed_summary(view, wid)
+            if summary["state"] in TERMINAL and summary["state"] != view.progress.get(
+                wid, {}
+            ).get("state"):
+                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
             elif summary != last:
@@ -481,6 +484,16 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             mirror.cancel()
         if display is not None:
             display.close(None)
+
+
+def _followed_summary(view: MeshView, wid: str) -> dict[str, Any]:
+    """The leader's last published summary of ``wid``, with the state as the state key
+    says now; before the first one, the summary of the workflow record alone."""
+    published = view.progress.get(wid)
+    if published is None:
+        return view.workflow_summary(wid)
+    state = view.workflow_state(wid)
+    return published if state not in TERMINAL else published | {"state": state}
 
 
 # ---------------------------------------------------------------------- reading

@@ -10,6 +10,10 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``wf/<wid>``: workflow spec (the parsed recipe, seed, workdir); by ``submit``.
 - ``wfstate/<wid>``: pending, running or a terminal state; by submit, the
   leader and ``cancel``.
+- ``progress/<wid>``: the workflow's status summary as the leader last published
+  it (``hypermesh status --json``'s object), at most every ``PROGRESS_S`` while it
+  runs and with its final state; what ``submit --wait`` and ``status --watch``
+  follow instead of every task's records. By the leader, fenced by the state key.
 - ``expanded/<wid>/<exp>``: task count of an expanded experiment; by the leader.
 - ``task/<wid>/<exp>/<index>``: the task's parameters; by the leader.
 - ``claim/<wid>/<exp>/<index>``: node, attempt and slot of the running attempt;
@@ -150,6 +154,9 @@ class Keyspace:
     def workflow_state(self, wid: str) -> str:
         return f"{self.root}wfstate/{wid}"
 
+    def progress(self, wid: str) -> str:
+        return f"{self.root}progress/{wid}"
+
     def expanded(self, wid: str, experiment: str) -> str:
         return f"{self.root}expanded/{wid}/{experiment}"
 
@@ -220,7 +227,7 @@ class Keyspace:
         """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
         kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
                  "gang", "block", "bclaim", "bdone")
-        return [self.workflow(wid), self.workflow_state(wid)] + [
+        return [self.workflow(wid), self.workflow_state(wid), self.progress(wid)] + [
             self.kind_prefix(k, wid) for k in kinds
         ]
 

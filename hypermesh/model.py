@@ -244,6 +244,9 @@ class MeshView:
         # Known tasks per (workflow, experiment) by raw state: open, running, or
         # their result's state. Kept incrementally so summaries cost O(1).
         self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        # What the leader last published of each workflow (``progress/<wid>``): the
+        # ``workflow_summary`` of its view then, followed by ``submit --wait``.
+        self.progress: dict[str, dict[str, Any]] = {}
         # Bursting (raw JSON and mod revision, read by agent/burst.py and the CLI):
         # pool declarations, provisioned nodes, node-seconds per pool and workflow.
         self.pools: dict[str, dict[str, Any]] = {}
@@ -335,6 +338,14 @@ class MeshView:
         else:
             self.workflow_states[parts[0]] = data["state"]
             self.workflow_state_revisions[parts[0]] = mrev
+
+    def _apply_progress(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.progress.pop(parts[0], None)
+        else:
+            if not isinstance(data.get("experiments"), dict) or "state" not in data:
+                raise TypeError("a progress record needs state and experiments")
+            self.progress[parts[0]] = data
 
     def _apply_expctl(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:

@@ -91,17 +91,35 @@ async def set_workflow_state(
     expected: str,
     state: str,
     state_revision: int | None = None,
+    summary: dict[str, Any] | None = None,
 ) -> bool:
     """Move a workflow from ``expected`` to ``state``; False if someone changed it first
-    (with ``state_revision``, also if anyone rewrote the state key since)."""
+    (with ``state_revision``, also if anyone rewrote the state key since). The leader
+    passes the workflow's ``summary`` in that state, published with it."""
+    puts = [etcd.op_put(ks.workflow_state(wid), state_value(state))]
+    if summary is not None:
+        puts.append(etcd.op_put(ks.progress(wid), dumps(summary)))
     done = await etcd.txn(
         [
             etcd.value_is(ks.workflow_state(wid), state_value(expected)),
             *state_guard(etcd, ks, wid, state_revision),
         ],
-        [etcd.op_put(ks.workflow_state(wid), state_value(state))],
+        puts,
     )
     return done.succeeded
+
+
+async def publish_progress(
+    etcd: Etcd, ks: Keyspace, wid: str, summary: dict[str, Any], state_revision: int
+) -> int | None:
+    """The leader's summary of a running workflow, written only if the workflow state
+    key is as its view saw it (a workflow that ended since keeps its final summary);
+    the revision written, or None."""
+    done = await etcd.txn(
+        state_guard(etcd, ks, wid, state_revision),
+        [etcd.op_put(ks.progress(wid), dumps(summary))],
+    )
+    return done.revision if done.succeeded else None
 
 
 async def expand_experiment(

@@ -98,3 +98,31 @@ experiments:
     slow = mesh.hm("tasks", wid, "--state", "succeeded", "--experiment", "slow", check=True)
     assert [line.split()[0] for line in slow.stdout.splitlines()] == [
         f"{wid}.slow.{i}" for i in range(3)]
+
+
+def test_followed_summary_is_the_published_one_with_the_current_state() -> None:
+    """``submit --wait``/``status --watch`` show the leader's published summary; before
+    the first one, the workflow record's own (all pending); once the state key says the
+    workflow ended, that state."""
+    from hypermesh.cli import _followed_summary
+    from hypermesh.keyspace import Keyspace
+    from hypermesh.model import MeshView, WorkflowRecord, dumps
+    from hypermesh.recipe import parse_recipe
+
+    ks = Keyspace("t")
+    view = MeshView(ks)
+    recipe = parse_recipe("experiments:\n  a: {samples: 3, command: ['true']}\n")
+    wf = WorkflowRecord(id="w-1", name="w", recipe=recipe, seed=1, submitted_at=1.0,
+                        workdir="/tmp", source="r.yaml")
+    view.apply(ks.workflow("w-1"), dumps(wf.to_json()), 1, 1)
+    view.apply(ks.workflow_state("w-1"), dumps({"state": "pending"}), 2, 2)
+    first = _followed_summary(view, "w-1")
+    assert first["state"] == "pending" and first["experiments"]["a"]["pending"] == 3
+    published = dict(first, state="running",
+                     experiments={"a": dict(first["experiments"]["a"], pending=1, running=2)})
+    view.apply(ks.progress("w-1"), dumps(published), 3, 3)
+    assert _followed_summary(view, "w-1") == published
+    view.apply(ks.workflow_state("w-1"), dumps({"state": "cancelled"}), 2, 4)
+    assert _followed_summary(view, "w-1") == published | {"state": "cancelled"}
+    view.apply(ks.progress("w-1"), b'{"state": "running"}', 3, 5)  # malformed: ignored
+    assert view.progress["w-1"] == published

@@ -107,15 +107,15 @@ def test_kind_prefix_with_and_without_a_workflow() -> None:
 
 
 def test_workflow_prefixes_cover_every_key_of_the_workflow() -> None:
-    # The list mixes range prefixes (ending in "/") with the two exact keys wf/<wid> and
-    # wfstate/<wid>; callers range-read only the former (an exact key used as a prefix
-    # would also match wf/<wid>2).
+    # The list mixes range prefixes (ending in "/") with the exact keys wf/<wid>,
+    # wfstate/<wid> and progress/<wid>; callers range-read only the former (an exact
+    # key used as a prefix would also match wf/<wid>2).
     ks = Keyspace("t")
     ref = TaskRef("w", "e", 0)
     found = ks.workflow_prefixes("w")
     ranges = [p for p in found if p.endswith("/")]
     exact = [p for p in found if not p.endswith("/")]
-    assert sorted(exact) == sorted([ks.workflow("w"), ks.workflow_state("w")])
+    assert sorted(exact) == sorted([ks.workflow("w"), ks.workflow_state("w"), ks.progress("w")])
     ranged = [
         ks.expanded("w", "e"), ks.task(ref), ks.claim(ref), ks.attempt(ref, 1), ks.result(ref),
         ks.slot("w", "e", 0), ks.experiment_control("w", "e"),

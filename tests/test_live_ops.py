@@ -232,3 +232,82 @@ experiments:
         assert all(s == ("failed", "node-lost") for s in states if s[0] != "succeeded"), t
     assert any(len(t["attempts"]) > 1 for t in work)  # the crash cost someone an attempt
     assert max(e for _, e in spans(tasks, "work")) <= min(s for s, _ in spans(tasks, "after_work"))
+
+
+def _progress(mesh: Mesh, wid: str) -> dict[str, Any] | None:
+    """The leader's published summary of ``wid`` (``progress/<wid>``), read from etcd."""
+    import asyncio
+
+    from hypermesh.etcd import Etcd
+    from hypermesh.keyspace import Keyspace
+
+    async def read() -> dict[str, Any] | None:
+        async with Etcd([mesh.etcd.url.split("//")[1]]) as etcd:
+            found = await etcd.get(Keyspace(mesh.namespace).progress(wid))
+        return None if found is None else json.loads(found[0])
+
+    return asyncio.run(read())
+
+
+def test_leader_publishes_progress_that_watchers_follow(mesh: Mesh) -> None:
+    """The leader publishes each running workflow's summary (``progress/<wid>``) and
+    its final one with the final state; what ``status --watch --json`` ends with is
+    what ``status --json`` says from every task's records."""
+    mesh.agent(slots=3)
+    recipe = mesh.write_recipe(
+        f'experiments:\n  a: {{samples: 3, command: ["{GATED}"]}}\n'
+        "  b: {after: [a], samples: 2, retries: 0, command: ['test $HM_TASK_INDEX = 0']}\n"
+    )
+    wid = mesh.submit(recipe)
+
+    def three_running() -> dict[str, Any] | None:
+        p = _progress(mesh, wid)
+        return p if p and p["experiments"]["a"]["running"] == 3 else None
+
+    published = wait_for(three_running, 30, "the leader to publish 3 running tasks")
+    assert published["id"] == wid and published["state"] == "running"  # type: ignore[index]
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hypermesh", "status", wid, "--watch", "--json"],
+        env=mesh.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        (mesh.root / "gate").touch()
+        out, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+        watch.wait()
+    assert watch.returncode == 1, err  # one task of b failed
+    last = json.loads(out.splitlines()[-1])
+    status = mesh.hm_json("status", wid)
+    status.pop("cost")
+    status.pop("best", None)
+    assert last == status
+    assert last["state"] == "failed"
+    assert (last["experiments"]["b"]["succeeded"], last["experiments"]["b"]["failed"]) == (1, 1)
+    assert _progress(mesh, wid) == last  # published with the final state
+
+
+def test_a_workflow_cancelled_from_the_cli_is_summarized_at_the_end(mesh: Mesh) -> None:
+    """Cancelling writes the state without a final summary: the watcher reads the
+    workflow's records once and ends with what ``status`` says."""
+    mesh.agent(slots=2)
+    recipe = mesh.write_recipe(f'experiments:\n  a: {{samples: 4, command: ["{GATED}"]}}\n')
+    wid = mesh.submit(recipe)
+    wait_for(lambda: len(running(mesh, wid, "a")) == 2, 30, "two tasks running")
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hypermesh", "status", wid, "--watch", "--json"],
+        env=mesh.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert watch.stdout is not None
+        json.loads(watch.stdout.readline())  # following
+        mesh.hm("cancel", wid, check=True)
+        out, err = watch.communicate(timeout=60)
+    finally:
+        watch.kill()
+        watch.wait()
+    assert watch.returncode == 1, err
+    last = json.loads(out.splitlines()[-1])
+    assert last["state"] == "cancelled"
+    status = mesh.hm_json("status", wid)
+    assert last["experiments"] == status["experiments"]
