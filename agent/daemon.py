@@ -550,7 +550,11 @@ class Agent:
             try:
                 if self._leader_dirty and leading:
                     self._leader_dirty = False
-                    await self._lead()
+                    try:
+                        await self._lead()
+                    except BaseException:
+                        self._leader_dirty = True  # not done: lead again at the next wake
+                        raise
                 self._stop_cancelled()
                 if self.unsure:
                     await self.unsure.settle(self.running, self.blocks.held)
@@ -628,7 +632,14 @@ class Agent:
             summary = self.view.workflow_summary(wid)
             if summary == last:
                 continue
-            if await publish_progress(self.etcd, self.ks, wid, summary, revision) is not None:
+            try:
+                written = await publish_progress(self.etcd, self.ks, wid, summary, revision)
+            except EtcdUnavailable as exc:  # best effort: try again in a period
+                log.info("%s: publishing the progress of %s: %s", self.cfg.name, wid, exc)
+                self._published[wid] = (last, now)
+                due = min(due, now + PROGRESS_S)
+                continue
+            if written is not None:
                 self._published[wid] = (summary, now)
         if due < math.inf:
             self._progress_timer.at(due)
