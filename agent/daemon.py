@@ -565,6 +565,11 @@ class Agent:
                 log.warning("%s: %s", self.cfg.name, exc)
                 await asyncio.sleep(0.5)
                 self._wake.set()
+            except Exception:  # a round that failed must not end scheduling for good
+                log.exception("%s: scheduling round failed; trying again", self.cfg.name)
+                self.decide("scheduling round failed (see the log); trying again")
+                await asyncio.sleep(0.5)
+                self._wake.set()
 
     async def _run_gossip(self) -> None:
         await self._mirror_ready.wait()  # seeds come from the etcd registry
@@ -634,7 +639,7 @@ class Agent:
                 continue
             try:
                 written = await publish_progress(self.etcd, self.ks, wid, summary, revision)
-            except EtcdUnavailable as exc:  # best effort: try again in a period
+            except HypermeshError as exc:  # best effort: try again in a period
                 log.info("%s: publishing the progress of %s: %s", self.cfg.name, wid, exc)
                 self._published[wid] = (last, now)
                 due = min(due, now + PROGRESS_S)

@@ -7,6 +7,7 @@ every process it started, with no drain and no lease revoke.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import json
 import os
@@ -307,6 +308,10 @@ def test_connections_to_etcd_cut_again_and_again_lose_no_task(
             assert proxy.cuts >= 5  # the run really was disturbed (it lasts 5 s at least)
         except BaseException:
             print(agents.logs())
+            with contextlib.suppress(Exception):  # where the run stands, for the record
+                print(cli.hm("status", wid, "--json").stdout)
+                stuck = [t for t in cli.hm_json("tasks", wid) if t["state"] != "succeeded"]
+                print(json.dumps(stuck[:20], indent=1))
             raise
         finally:
             agents.close()
