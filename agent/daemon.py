@@ -115,9 +115,9 @@ def tune_gc() -> None:
     """Collect less often in a long-lived agent: the modules and objects of start-up
     are frozen out of every later collection, and the young generation is collected
     every ``GC_YOUNG`` allocations instead of 700. Each attempt of a trivial task
-    allocates a few thousand short-lived objects; with the defaults an agent spent
-    about 0.05 CPU-s in the collector per 1,250 attempts, with these about a third of
-    that (docs/benchmarks.md). The pauses stay around a few milliseconds."""
+    allocates a few thousand short-lived objects: with the defaults an agent ran about
+    120 young collections per 1,250 attempts, with these about 3 (docs/benchmarks.md).
+    The pauses stay around a few milliseconds."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG, 20, 20)

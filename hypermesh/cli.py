@@ -465,9 +465,9 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
             if wid not in view.workflows:
                 continue
             summary = _followed_summary(view, wid)
-            if summary["state"] in TERMINAL and summary["state"] != view.progress.get(
-                wid, {}
-            ).get("state"):
+            final = view.progress.get(wid, {}).get("state")
+            if summary["state"] in TERMINAL and summary["state"] != final:
+                # Ended without the leader's final summary: summarize the records once.
                 summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
