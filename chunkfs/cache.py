@@ -3,6 +3,10 @@
 Layout under the cache directory (``v1/<shard of the id>/``, one set of files per chunk):
 
 - ``<id>.data``   a sparse file of the chunk's size; only present blocks take space.
+  Blocks put with ``direct=True`` are written with ``O_DIRECT`` (where the file system
+  takes it): bytes that stream through to a reader are held by the kernel's page cache
+  of the *mounted* file already, and a second copy in the cache file's pages would cost
+  a pass over every byte, dirty-page writeback and twice the memory.
 - ``<id>.blocks`` the chunk's block list (self-certifying: its SHA-256 is the id).
 - ``<id>.have``   ``MAGIC``, the chunk size, then one byte per block (1 = written).
 
@@ -32,6 +36,8 @@ blocks; everything else only reads. All methods are thread-safe.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import struct
@@ -42,6 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hypermesh.chunkfs.buffers import aligned_buffer
 from hypermesh.chunkfs.format import (
     BLOCK_SIZE,
     block_count,
@@ -64,6 +71,10 @@ MAX_OPEN_FILES = 256
 
 #: Records kept before those of chunks without blocks (block lists only) are dropped.
 MAX_RECORDS = 8192
+
+#: ``O_DIRECT`` writes need buffer addresses, offsets and lengths in multiples of this.
+DIRECT_ALIGN = 4096
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0: the platform has none (then never direct)
 
 ChangeCallback = Callable[[str, bool], None]
 
@@ -108,7 +119,8 @@ class ReadStats:
     ``cache`` (local disk), ``peer`` and ``store``. ``store_gets``/``store_bytes`` count
     ranged GETs (block lists included) and the bytes they returned, prefetch included.
     ``peer_corrupt_blocks`` counts blocks a peer sent that failed their digest (they
-    were fetched from the store instead).
+    were fetched from the store instead). ``direct_bytes``: bytes the cache wrote
+    around the page cache (``put_block(direct=True)``).
     Anyone may add; ``snapshot`` gives a consistent copy.
     """
 
@@ -134,6 +146,7 @@ class ReadStats:
             "push_skipped": 0,
             "evicted_chunks": 0,
             "evicted_sole": 0,
+            "direct_bytes": 0,
         }
 
     def served(self, source: str, blocks: int, nbytes: int) -> None:
@@ -162,6 +175,7 @@ class _Chunk:
     pins: int = 0
     dirty: bool = False
     fd: int | None = None
+    direct_fd: int | None = None  # opened with O_DIRECT, for ``put_block(direct=True)``
     writing: set[int] = field(default_factory=set)
     copy: bool = False  # every block held came from a peer (False after a restart)
     elsewhere: bool = False  # another node holds it too, as the agent said last
@@ -194,6 +208,8 @@ class ChunkCache:
         self._bytes = 0
         self._elsewhere: frozenset[str] = frozenset()
         self._open_fds = 0
+        self._direct = bool(O_DIRECT)  # until the file system refuses a direct write
+        self._scratch = threading.local()  # per thread: an aligned block for direct writes
         self._last_flush = time.monotonic()
         (self.root / "v1").mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -348,7 +364,12 @@ class ChunkCache:
                     rec.pins -= 1
 
     def put_block(
-        self, cid: str, index: int, data: bytes | memoryview, from_peer: bool = False
+        self,
+        cid: str,
+        index: int,
+        data: bytes | memoryview,
+        from_peer: bool = False,
+        direct: bool = False,
     ) -> bool:
         """Store block ``index`` (already verified by the caller). False: not stored.
 
@@ -358,6 +379,11 @@ class ChunkCache:
         holds (evicting even a spare copy for them, while the view of who holds what
         lags, was seen to lose chunks). A chunk whose blocks all came from peers is a
         copy (see :func:`keep_rank`).
+
+        ``direct``: the bytes are on their way to a reader through the mount, so keep
+        them out of the page cache (see the module doc). Fastest when ``data`` lies in
+        a buffer from ``chunkfs.buffers`` at a block boundary (it is then written as it is);
+        other bytes are first copied into an aligned buffer.
         """
         entered = False
         evicted: list[str] = []
@@ -379,8 +405,7 @@ class ChunkCache:
             rec.pins += 1
         ok = False
         try:
-            fd = self._fd(rec)
-            os.pwrite(fd, data, start)
+            self._write(rec, data, start, direct)
             ok = True
         except OSError as exc:
             log.warning("cache: writing block %d of chunk %s failed: %s", index, cid, exc)
@@ -456,10 +481,48 @@ class ChunkCache:
             return fd
 
     def _close_fd(self, rec: _Chunk) -> None:
-        if rec.fd is not None:
-            os.close(rec.fd)
-            rec.fd = None
-            self._open_fds -= 1
+        for name in ("fd", "direct_fd"):
+            fd = getattr(rec, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(rec, name, None)
+                self._open_fds -= 1
+
+    def _write(self, rec: _Chunk, data: bytes | memoryview, start: int, direct: bool) -> None:
+        """Write bytes of a pinned chunk at ``start`` (a block boundary)."""
+        if direct and self._direct and len(data) % DIRECT_ALIGN == 0:
+            try:
+                os.pwrite(self._direct_fd(rec), self._aligned(data), start)
+                self.stats.add("direct_bytes", len(data))
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("cache: %s refuses O_DIRECT writes (%s); writing through the "
+                         "page cache", self.root, exc)
+                self._direct = False
+        os.pwrite(self._fd(rec), data, start)
+
+    def _direct_fd(self, rec: _Chunk) -> int:
+        self._fd(rec)  # creates the file at its size
+        with self._lock:
+            if rec.direct_fd is None:
+                rec.direct_fd = os.open(
+                    self._path(rec.id, "data"), os.O_WRONLY | O_DIRECT | os.O_CLOEXEC
+                )
+                self._open_fds += 1
+            return rec.direct_fd
+
+    def _aligned(self, data: bytes | memoryview) -> memoryview:
+        """``data`` itself if it starts on an aligned address, else a copy that does."""
+        view = memoryview(data)
+        if _address(view) % DIRECT_ALIGN == 0:
+            return view
+        scratch: memoryview | None = getattr(self._scratch, "buf", None)
+        if scratch is None or len(scratch) < len(view):
+            scratch = self._scratch.buf = aligned_buffer(max(len(view), BLOCK_SIZE))
+        scratch[: len(view)] = view
+        return scratch[: len(view)]
 
     def _pread(self, rec: _Chunk, offset: int, length: int) -> bytes:
         return os.pread(self._fd(rec), length, offset)
@@ -553,6 +616,13 @@ class ChunkCache:
         rec = _Chunk(cid, size, block_list, state)
         rec.present_bytes = sum(block_span(i, size)[1] for i, s in enumerate(state) if s)
         return rec
+
+
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte; 1 (never aligned) if it is read-only."""
+    if view.readonly or not view.nbytes:
+        return 1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _digest(block_list: bytes, index: int) -> bytes:

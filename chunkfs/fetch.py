@@ -12,9 +12,11 @@ How a read proceeds
    fetched twice. Newly claimed blocks are coalesced into runs of adjacent blocks of
    at most ``range_bytes`` and fetched in parallel on a thread pool, each run by one
    ranged GET (after asking ``peer_fetch``, when set).
-3. Each fetched block is verified against its digest. A wrong block is fetched once
-   more from the store; wrong again, it fails with ``CorruptData``. Good blocks go to
-   the cache and to the waiting reads. A read waits only for its own blocks.
+3. A run's GET body is received straight into a reused page-aligned buffer
+   (``chunkfs.buffers``), and each block is verified there against its digest. A
+   wrong block is fetched once more from the store; wrong again, it fails with
+   ``CorruptData``. Good blocks go to the waiting reads (as slices of the buffer, not
+   copies), then to the cache. A read waits only for its own blocks.
 4. Transient store errors are retried with backoff; every read has an overall
    deadline (``deadline_s``) after which it raises ``StoreUnavailable`` — it never hangs.
 
@@ -46,7 +48,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
+from hypermesh.chunkfs.buffers import BufferPool
 from hypermesh.chunkfs.cache import ChunkCache, block_span
 from hypermesh.chunkfs.format import (
     BLOCK_SIZE,
@@ -72,6 +76,7 @@ BlockSink = Callable[[ChunkInfo, int, "list[memoryview]"], None]
 PagePush = Callable[[int, "memoryview | bytes"], None]
 """Gets verified bytes of one file at a page-aligned file offset: (offset, data)."""
 PAGE = 4096
+T = TypeVar("T")
 _Result = tuple[memoryview, str]  # a verified block and where it came from
 
 
@@ -96,6 +101,9 @@ class FetchConfig:
       of it were missed by reads (0: never).
     - ``first_delay_s``/``max_delay_s``: backoff between retries of transient errors.
     - ``block_lists``: block lists kept in memory (32 bytes per MiB of chunk each).
+    - ``buffers``: receive buffers of ``range_bytes`` kept for reuse (``chunkfs.buffers``;
+      resident while reads stream, given back after 30 s idle); more runs in flight
+      than this get fresh memory, which costs page faults.
     """
 
     deadline_s: float = 30.0
@@ -109,6 +117,7 @@ class FetchConfig:
     first_delay_s: float = 0.05
     max_delay_s: float = 1.0
     block_lists: int = 4096
+    buffers: int = 16
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0:
@@ -163,6 +172,7 @@ class ChunkReader:
         self.stats = cache.stats
         self._pool = ThreadPoolExecutor(self.config.threads, "chunkfs-fetch")
         self._prefetch_pool = ThreadPoolExecutor(self.config.prefetch_threads, "chunkfs-ahead")
+        self.buffers = BufferPool(self.config.range_bytes, self.config.buffers)
         self._lock = threading.Lock()
         self._inflight: dict[tuple[str, int], Future[_Result]] = {}
         self._lists: OrderedDict[str, bytes] = OrderedDict()
@@ -173,8 +183,9 @@ class ChunkReader:
     # ---------------------------------------------------------------- reading
     def read(
         self, chunk: ChunkInfo, offset: int, length: int, sequential: bool = False
-    ) -> bytes:
-        """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified.
+    ) -> bytes | memoryview:
+        """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified. A
+        memoryview when they are a slice of one fetched run (not copied out of it).
 
         ``sequential``: the caller reads on from here; a miss then also fetches the
         blocks after the range (up to one run) that nobody fetches yet, in the same GET.
@@ -208,7 +219,7 @@ class ChunkReader:
 
     def _read(
         self, chunk: ChunkInfo, offset: int, length: int, deadline: float, sequential: bool
-    ) -> bytes:
+    ) -> bytes | memoryview:
         cid = chunk.id
         block_list = self._block_list(chunk, deadline)
         first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
@@ -217,7 +228,7 @@ class ChunkReader:
             if new and sequential and new[-1] == last:
                 more_end = min(block_count(chunk.size), new[-1] + self.config.run_blocks)
                 new += self._claim(chunk, range(last + 1, more_end))[1]
-            self._start(chunk, block_list, new, deadline, self._pool)
+            self._start(chunk, block_list, new, deadline, self._pool, sequential)
             if new:
                 self._note_misses(chunk, new)
             if not waits:
@@ -234,7 +245,7 @@ class ChunkReader:
                     data, source = self._wait(fut, deadline, chunk, i)
                     pieces.append(data[lo - i * BLOCK_SIZE : hi - i * BLOCK_SIZE])
                 self.stats.served(source, 1, hi - lo)
-            return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _claim(
         self, chunk: ChunkInfo, indices: Iterable[int]
@@ -263,10 +274,11 @@ class ChunkReader:
         new: list[int],
         deadline: float,
         pool: ThreadPoolExecutor,
+        stream: bool = False,
     ) -> None:
         for run in runs(new, self.config.run_blocks):
             try:
-                pool.submit(self._fetch_run, chunk, block_list, run, deadline)
+                pool.submit(self._fetch_run, chunk, block_list, run, deadline, None, stream)
             except RuntimeError as exc:  # the pool is shut down
                 self._resolve(chunk.id, {i: StoreUnavailable(f"reader closed: {exc}") for i in run})
 
@@ -283,12 +295,22 @@ class ChunkReader:
 
     # --------------------------------------------------------------- fetching
     def _fetch_run(
-        self, chunk: ChunkInfo, block_list: bytes, run: list[int], deadline: float
+        self,
+        chunk: ChunkInfo,
+        block_list: bytes,
+        run: list[int],
+        deadline: float,
+        sink: BlockSink | None = None,
+        stream: bool = False,
     ) -> dict[int, _Result]:
-        """Fetch and verify one run of claimed blocks, hand them to waiting reads, cache them.
+        """Fetch and verify one run of claimed blocks, hand them to waiting reads and
+        ``sink``, cache them.
 
-        Waiting reads get their blocks before the blocks are written to the cache; the
+        Waiting reads and the sink get their blocks before the blocks are written to the
+        cache (a write must not delay the bytes a reader is about to ask for); the
         claims are released only after, so no read fetches a block a second time.
+        ``stream``: the run is part of a sequential read through the mount, so the
+        cache writes it around the page cache (``put_block(direct=True)``).
         Returns the good blocks.
         """
         results: dict[int, _Result | BaseException] = {}
@@ -304,13 +326,21 @@ class ChunkReader:
         self._resolve(chunk.id, {i: r for i, r in results.items() if i not in good})
         with self._lock:
             _settle({i: self._inflight.get((chunk.id, i)) for i in good}, results)
+        if sink is not None:
+            for part in runs(good, len(good) or 1):
+                try:
+                    sink(chunk, part[0], [good[i][0] for i in part])
+                except Exception:
+                    log.exception("the sink of chunk %s blocks %s failed", chunk.id, part)
         try:
             self.cache.admit(chunk.id, chunk.size, block_list)  # again, if it was evicted
             for i, result in good.items():
                 # A block a peer served is cached only into free space: the peer keeps
                 # its copy, and evicting what this node fetched from the store for it
                 # would leave the mesh holding fewer distinct chunks.
-                self.cache.put_block(chunk.id, i, result[0], from_peer=result[1] == "peer")
+                self.cache.put_block(
+                    chunk.id, i, result[0], from_peer=result[1] == "peer", direct=stream
+                )
         except Exception:
             log.exception("caching chunk %s blocks %s failed", chunk.id, run)
         finally:
@@ -394,20 +424,24 @@ class ChunkReader:
         """One ranged GET of a run of blocks, transient errors retried until the deadline."""
         start = block_span(run[0], chunk.size)[0]
         end = sum(block_span(run[-1], chunk.size))
+        buf = self.buffers.get(end - start)  # aligned blocks: cached without a copy
+
+        def get() -> memoryview:
+            self.store.get_range_into(chunk_key(chunk.id), start, buf)
+            return buf
+
         try:
-            data = self._retry(
-                lambda: self.store.get_range(chunk_key(chunk.id), start, end - start), deadline
-            )
+            self._retry(get, deadline)
         except NoSuchObject as exc:
             raise CorruptData(f"chunk {chunk.id} is missing from {self.store.url}") from exc
-        self.stats.add("store_bytes", len(data))
-        return memoryview(data)
+        self.stats.add("store_bytes", len(buf))
+        return buf
 
-    def _retry(self, get: Callable[[], bytes], deadline: float) -> bytes:
+    def _retry(self, get: Callable[[], T], deadline: float) -> T:
         """``get()`` with transient errors retried until ``deadline``; GETs counted."""
         attempts = 0
 
-        def once() -> bytes:
+        def once() -> T:
             nonlocal attempts
             attempts += 1
             if attempts > 1:
@@ -505,11 +539,8 @@ class ChunkReader:
             block_list = self._block_list(chunk, deadline)
             _waits, new = self._claim(chunk, blocks)
             for run in runs(new, self.config.run_blocks):
-                good = self._fetch_run(chunk, block_list, run, deadline)
+                self._fetch_run(chunk, block_list, run, deadline, sink, stream=sink is not None)
                 self.stats.add("prefetched_blocks", len(run))
-                if sink is not None:
-                    for part in runs(good, len(good) or 1):
-                        sink(chunk, part[0], [good[i][0] for i in part])
         except HypermeshError as exc:
             log.debug("prefetch of chunk %s blocks %s failed: %s", chunk.id, blocks, exc)
         except Exception:
@@ -673,7 +704,7 @@ class FileReader:
         length: int,
         readahead: Readahead | None = None,
         push: PagePush | None = None,
-    ) -> bytes:
+    ) -> bytes | memoryview:
         """Bytes ``[offset, offset+length)`` of file ``entry`` (cut at its end)."""
         self.reader.stats.add("file_reads")
         pieces = self._pieces(entry, offset, length)

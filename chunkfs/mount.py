@@ -49,6 +49,7 @@ from typing import Any
 
 import click
 from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
+from hypermesh.chunkfs.buffers import BufferPool
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
 from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
@@ -165,6 +166,7 @@ def serve(
             },
             "outputs": {"uploads": outputs.uploads, "upload_bytes": outputs.upload_bytes},
             "manifest_pages_loaded": manifest.pages_loaded,
+            "buffers": {"pooled": len(reader.buffers), "fresh": reader.buffers.fresh},
         }
 
     pusher = PagePusher(pyfuse3.notify_store, cache.stats) if push_pages else None
@@ -186,7 +188,7 @@ def serve(
     except RuntimeError as exc:
         raise HypermeshError(f"FUSE mount of {mountpoint} failed: {exc}") from exc
     try:
-        asyncio.run(_main(mountpoint, ready, cache))
+        asyncio.run(_main(mountpoint, ready, cache, reader.buffers))
     finally:
         if pusher is not None:
             pusher.close()  # before the session goes: stores use it
@@ -236,8 +238,18 @@ def _load_elsewhere(cache: ChunkCache, seen: float | None) -> float | None:
     return mtime
 
 
+async def _trim_buffers(buffers: BufferPool) -> None:
+    """Give back receive buffers that no read has used for a while."""
+    while True:
+        await asyncio.sleep(buffers.idle_s / 2)
+        buffers.trim()
+
+
 async def _main(
-    mountpoint: Path, ready: Callable[[str], None] | None, cache: ChunkCache
+    mountpoint: Path,
+    ready: Callable[[str], None] | None,
+    cache: ChunkCache,
+    buffers: BufferPool,
 ) -> None:
     import pyfuse3
 
@@ -267,10 +279,12 @@ async def _main(
 
     check = loop.run_in_executor(None, announce)
     records = asyncio.create_task(_flush_records(cache))
+    trims = asyncio.create_task(_trim_buffers(buffers))
     try:
         await pyfuse3.main()
     finally:
         records.cancel()
+        trims.cancel()
     await check
 
 

@@ -22,6 +22,7 @@ usual AWS way (environment, ``~/.aws``, instance role).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import random
 import threading
@@ -82,6 +83,11 @@ class ObjectStore(ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly ``length`` bytes from ``start``; ``CorruptData`` if the object is shorter."""
 
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> None:
+        """Fill ``buf`` with the ``len(buf)`` bytes from ``start``, as ``get_range`` would
+        return them; backends that can receive straight into ``buf`` do (no copy)."""
+        buf[:] = self.get_range(key, start, len(buf))
+
     @abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Store ``data`` under ``key``, replacing any object there."""
@@ -121,6 +127,17 @@ class ObjectStore(ABC):
 def _check_range(key: str, start: int, length: int) -> None:
     if start < 0 or length < 0:
         raise ValueError(f"{key}: bad range start={start} length={length}")
+
+
+def _readinto_all(fp: http.client.HTTPResponse, buf: memoryview) -> int:
+    """Read the response body into ``buf`` until it is full or the body ends."""
+    got = 0
+    while got < len(buf):
+        n = fp.readinto(buf[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _short_read(url: str, key: str, start: int, length: int, got: int) -> CorruptData:
@@ -215,6 +232,9 @@ class S3Store(ObjectStore):
         self.multipart_chunksize = multipart_chunksize
         self._client: Any = None
         self._lock = threading.Lock()
+        self.received_into = 0
+        """Ranged GETs whose bodies went straight into the caller's buffer (see
+        ``get_range_into``); the others were read by botocore and copied."""
 
     # boto3 is imported lazily: it costs ~0.3 s, and many CLI commands never need it.
     @property
@@ -280,7 +300,8 @@ class S3Store(ObjectStore):
             | bce.IncompleteReadError
             | bce.ResponseStreamingError
             | ConnectionError
-            | TimeoutError,
+            | TimeoutError
+            | http.client.HTTPException,
         ):
             return StoreUnavailable(
                 f"{where}: S3 endpoint {self.endpoint or 'AWS'} unavailable: {exc}"
@@ -294,7 +315,10 @@ class S3Store(ObjectStore):
 
         try:
             return fn()
-        except (bce.BotoCoreError, bce.ClientError, ConnectionError, TimeoutError) as exc:
+        except (
+            bce.BotoCoreError, bce.ClientError, ConnectionError, TimeoutError,
+            http.client.HTTPException,
+        ) as exc:
             raise self._translate(exc, key) from exc
 
     def get(self, key: str) -> bytes:
@@ -321,6 +345,53 @@ class S3Store(ObjectStore):
         if len(data) != length:
             raise _short_read(self.url, key, start, length, len(data))
         return data
+
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> None:
+        """``get_range`` into ``buf``. The body is read from the response's socket
+        straight into ``buf`` when botocore hands back a plain ``http.client`` response
+        of exactly that length (no content encoding); otherwise botocore reads it and it
+        is copied. Saves a pass over every byte of bulk reads."""
+        length = len(buf)
+        _check_range(key, start, length)
+        if length == 0:
+            return
+
+        def do() -> int:
+            resp = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )
+            body = resp["Body"]
+            raw = getattr(body, "_raw_stream", None)  # urllib3's response
+            fp = getattr(raw, "_fp", None)  # the http.client response under it
+            if (
+                raw is None
+                or not isinstance(fp, http.client.HTTPResponse)
+                or fp.chunked
+                or fp.length != length
+                or fp.getheader("Content-Encoding", "identity") != "identity"
+            ):
+                with contextlib.closing(body):
+                    data = body.read()
+                n = min(len(data), length)
+                buf[:n] = memoryview(data)[:n]
+                return len(data)
+            done = False
+            try:
+                n = _readinto_all(fp, buf)
+                if n != length:  # the server promised `length` bytes: the transfer broke
+                    raise http.client.IncompleteRead(b"", length - n)
+                done = fp.isclosed()  # all read: the connection is reusable
+            finally:
+                if done:
+                    raw.release_conn()
+                else:
+                    body.close()
+            self.received_into += 1
+            return n
+
+        got = self._call(key, do)
+        if got != length:
+            raise _short_read(self.url, key, start, length, got)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         body = bytes(data) if isinstance(data, memoryview) else data
@@ -425,6 +496,24 @@ class FileStore(ObjectStore):
         if len(data) != length:
             raise _short_read(self.url, key, start, length, len(data))
         return data
+
+    def get_range_into(self, key: str, start: int, buf: memoryview) -> None:
+        _check_range(key, start, len(buf))
+        got = 0
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                while got < len(buf):
+                    n = os.preadv(fd, [buf[got:]], start + got)
+                    if n == 0:
+                        break
+                    got += n
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._os_error(exc, key) from exc
+        if got != len(buf):
+            raise _short_read(self.url, key, start, len(buf), got)
 
     def _write_atomic(self, key: str, write: Callable[[Any], None]) -> None:
         path = self._path(key)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
 
 import pytest
+from hypermesh.chunkfs.buffers import aligned_buffer
 from hypermesh.chunkfs.cache import (
     SOLE,
     SPARE,
@@ -66,6 +68,50 @@ def test_put_then_read_any_range(tmp_path: Path) -> None:
     assert cache.present(other.id) == [5]
     assert not cache.ready(other.id, 4)
     assert os.stat(tmp_path / "v1" / shard(other.id) / f"{other.id}.data").st_blocks * 512 < 2 * MiB
+
+
+def test_direct_writes_read_back_whatever_the_alignment(tmp_path: Path) -> None:
+    """Blocks put ``direct`` (around the page cache) from an aligned buffer, from plain
+    bytes (copied into an aligned one) and a chunk's short last block (too short for
+    O_DIRECT: written the normal way) all read back, also after a restart."""
+    cache = ChunkCache(tmp_path, 16 * MiB)
+    chunk = Chunk(3 * MiB + 4096 + 123, 3)
+    cache.admit(chunk.id, chunk.size, chunk.block_list)
+    buf = aligned_buffer(2 * MiB)
+    buf[:] = chunk.data[: 2 * MiB]
+    assert cache.put_block(chunk.id, 0, buf[:MiB], direct=True)
+    assert cache.put_block(chunk.id, 1, buf[MiB:], direct=True)
+    assert cache.put_block(chunk.id, 2, chunk.block(2), direct=True)
+    assert cache.put_block(chunk.id, 3, chunk.block(3), direct=True)
+    assert cache.stats.snapshot()["direct_bytes"] == 3 * MiB
+    with cache.pin(chunk.id):
+        assert cache.read(chunk.id, 0, chunk.size) == chunk.data
+    cache.close()
+    again = ChunkCache(tmp_path, 16 * MiB)
+    assert all(again.ready(chunk.id, i) for i in range(4))
+    with again.pin(chunk.id):
+        assert again.read(chunk.id, 0, chunk.size) == chunk.data
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_normal_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = ChunkCache(tmp_path, 16 * MiB)
+    chunk = Chunk(2 * MiB, 4)
+    cache.admit(chunk.id, chunk.size, chunk.block_list)
+    tries = []
+
+    def refuse(rec: object) -> int:
+        tries.append(rec)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(cache, "_direct_fd", refuse)
+    assert cache.put_block(chunk.id, 0, chunk.block(0), direct=True)
+    assert cache.put_block(chunk.id, 1, chunk.block(1), direct=True)
+    assert len(tries) == 1  # refused once: not asked again
+    assert cache.stats.snapshot()["direct_bytes"] == 0
+    with cache.pin(chunk.id):
+        assert cache.read(chunk.id, 0, chunk.size) == chunk.data
 
 
 def test_admit_rejects_a_block_list_that_is_not_the_chunks(tmp_path: Path) -> None:

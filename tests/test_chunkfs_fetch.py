@@ -152,7 +152,9 @@ def test_concurrent_reads_of_a_block_share_one_get(
     monkeypatch.setattr(reader, "_claim", counting_claim)
     results: list[bytes] = []
     threads = [
-        threading.Thread(target=lambda o=o: results.append(reader.read(info, MiB + o, 1000)))
+        threading.Thread(
+            target=lambda o=o: results.append(bytes(reader.read(info, MiB + o, 1000)))
+        )
         for o in range(0, 8000, 1000)
     ]
     for t in threads:
@@ -319,6 +321,35 @@ def test_sequential_file_reads_prefetch_across_chunks(fake: FakeStore, reader: C
     # it unblocked can finish before the count moves: wait for it, do not sample it.
     wait_for(lambda: reader.stats.snapshot()["prefetched_blocks"] >= 3, 10,
              "the prefetch runs to count their blocks")
+
+
+def test_a_prefetch_hands_blocks_on_before_caching_them_around_the_page_cache(
+    fake: FakeStore, reader: ChunkReader
+) -> None:
+    """What a sequential read prefetched reaches the page-store sink first (a cache
+    write must not delay bytes a reader is about to ask for), then the cache, written
+    around the page cache (the mount's own pages hold those bytes)."""
+    chunk = Chunk(12 * MiB, 13)
+    info = put_chunk(fake, chunk)
+    entry = Entry("", "big", "f", 0o644, 0, chunk.size, (Extent(0, 0, chunk.size, 0),))
+    pushed: list[tuple[int, bytes, bool]] = []
+
+    def push(offset: int, data: memoryview | bytes) -> None:
+        cached = reader.cache.verified(chunk.id, offset // MiB)
+        pushed.append((offset, bytes(data), cached))
+
+    files = FileReader(reader, (info,))
+    ra = Readahead(4 * MiB, 64 * MiB, step=4 * MiB)
+    for offset in range(0, chunk.size, MiB):
+        assert files.read(entry, offset, MiB, ra, push) == chunk.data[offset : offset + MiB]
+    wait_for(lambda: all(reader.cache.verified(chunk.id, i) for i in range(12)), 10,
+             "the prefetch to cache every block")
+    assert pushed, "nothing was pushed"
+    for offset, data, cached in pushed:
+        assert data == chunk.data[offset : offset + len(data)]
+        assert not cached, f"block at {offset} was cached before it was pushed"
+    assert reader.stats.snapshot()["direct_bytes"] >= 8 * MiB
+    assert reader.buffers.fresh == 0
 
 
 # --------------------------------------------------------------- the real server

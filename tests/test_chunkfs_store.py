@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socketserver
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +28,8 @@ from hypermesh.errors import (
     UsageError,
 )
 from hypermesh.s3server import S3Server
+
+MiB = 1 << 20
 
 
 @pytest.fixture(params=["s3", "file"])
@@ -75,6 +80,39 @@ def test_get_range_edges(any_store: ObjectStore) -> None:
         s.get_range("r", len(data), 1)
     with pytest.raises(ValueError):
         s.get_range("r", -1, 1)
+
+
+def test_get_range_into_fills_the_buffer_or_raises(any_store: ObjectStore) -> None:
+    s = any_store
+    data = os.urandom(3 << 20)
+    s.put("r", data)
+    for start, length in [(0, len(data)), (1, 1), (MiB - 7, MiB + 9), (len(data) - 1, 1)]:
+        buf = memoryview(bytearray(length + 2))
+        s.get_range_into("r", start, buf[1:-1])
+        assert buf[1:-1] == data[start : start + length]
+        assert buf[0] == 0 and buf[-1] == 0  # nothing written outside the view
+    s.get_range_into("r", 5, memoryview(bytearray(0)))
+    with pytest.raises(CorruptData):  # runs past the end: never a short fill
+        s.get_range_into("r", len(data) - 10, memoryview(bytearray(11)))
+    with pytest.raises(NoSuchObject):
+        s.get_range_into("nope", 0, memoryview(bytearray(1)))
+
+
+def test_s3_ranged_gets_land_in_the_buffer_and_keep_their_connection(
+    s3_server: S3Server, store_url: str
+) -> None:
+    """The body goes from the socket into the caller's buffer (no botocore copy), and the
+    connection goes back to the pool: with a pool of one, many GETs in a row finish."""
+    bucket, _, prefix = store_url.removeprefix("s3://").partition("/")
+    with S3Store(bucket, prefix, endpoint=s3_server.endpoint, max_pool_connections=1) as s:
+        data = os.urandom(2 << 20)
+        s.put("k", data)
+        buf = memoryview(bytearray(MiB))
+        for i in range(40):
+            start = (i * 4099) % MiB
+            s.get_range_into("k", start, buf)
+            assert buf == data[start : start + MiB]
+        assert s.received_into == 40
 
 
 def test_put_file_large(any_store: ObjectStore, tmp_path: Path) -> None:
@@ -162,6 +200,61 @@ def test_stopped_or_hung_server_is_unavailable_then_comes_back(tmp_path: Path) -
             server.start()
             assert retry_transient(lambda: s.get("k"), 30) == b"value"
             s.close()
+
+
+class _BrokenBodies(socketserver.ThreadingTCPServer):
+    """Answers every GET with a 206 promising 1,000 bytes and sends 500 of them; then
+    hangs up (``hang_up``) or goes silent until ``release`` is set."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, hang_up: bool) -> None:
+        self.hang_up = hang_up
+        self.release = threading.Event()
+        super().__init__(("127.0.0.1", 0), _BrokenBodyHandler)
+
+
+class _BrokenBodyHandler(socketserver.StreamRequestHandler):
+    server: _BrokenBodies
+
+    def handle(self) -> None:
+        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+            pass
+        self.wfile.write(
+            b"HTTP/1.1 206 Partial Content\r\nContent-Length: 1000\r\n"
+            b"Content-Range: bytes 0-999/5000\r\nContent-Type: application/octet-stream\r\n"
+            b"\r\n" + b"x" * 500
+        )
+        self.wfile.flush()
+        if not self.server.hang_up:
+            self.server.release.wait(30)
+
+
+@pytest.mark.parametrize("hang_up", [True, False], ids=["hangs-up", "goes-silent"])
+def test_a_body_cut_short_is_unavailable_not_corrupt(
+    hang_up: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transfer that breaks after the headers is a transient store problem, found
+    within the read timeout; and the broken connection is not used again."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with _BrokenBodies(hang_up) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            host, port = server.server_address[:2]
+            s = S3Store("bkt", endpoint=f"http://{host}:{port}", read_timeout_s=1,
+                        max_attempts=1, max_pool_connections=1)
+            for _ in range(2):
+                start = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    s.get_range_into("k", 0, memoryview(bytearray(1000)))
+                assert time.monotonic() - start < 10
+            assert s.received_into == 0
+            s.close()
+        finally:
+            server.release.set()
+            server.shutdown()
 
 
 def test_retry_transient_deadline() -> None:
