@@ -14,6 +14,7 @@ buffer, never bytes handed out twice.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import sys
 import threading
@@ -22,16 +23,30 @@ import time
 #: References to an idle pooled buffer while ``BufferPool`` looks at it: the pool's
 #: list, a local variable, and ``sys.getrefcount``'s own argument.
 _IDLE_REFS = 3
+HUGE = 2 << 20  # a transparent huge page
+PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (mmap's default for -1 is shared memory)
 
 
 def aligned_buffer(size: int) -> memoryview:
     """A zeroed, writable buffer of ``size`` bytes at a page-aligned address (anonymous
     memory, given back when the last view of it goes)."""
-    mem = mmap.mmap(-1, max(size, 1))
-    if size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            mem.madvise(mmap.MADV_HUGEPAGE)  # where allowed: a few faults, not one per page
-    return memoryview(mem)[:size]
+    mem, offset = _allocate(size)
+    return memoryview(mem)[offset : offset + size]
+
+
+def _allocate(size: int) -> tuple[mmap.mmap, int]:
+    """Anonymous memory for ``size`` bytes and the offset they start at in it.
+
+    From 2 MiB up the mapping is padded so the bytes start on a 2 MiB boundary and is
+    marked for transparent huge pages: where the kernel allows them, a 16 MiB buffer
+    then costs 8 page faults instead of 4,096 (the padding is never touched)."""
+    if size < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return mmap.mmap(-1, max(size, 1), flags=PRIVATE), 0
+    mem = mmap.mmap(-1, size + HUGE, flags=PRIVATE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+    with contextlib.suppress(OSError):
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    return mem, -address % HUGE
 
 
 class BufferPool:
@@ -50,6 +65,7 @@ class BufferPool:
         self.fresh = 0  # buffers that had to be allocated outside the pool
         self._lock = threading.Lock()
         self._buffers: list[mmap.mmap] = []
+        self._offsets: list[int] = []  # where each buffer's aligned bytes start
         self._used: list[float] = []  # when each buffer was last handed out
 
     def __len__(self) -> int:
@@ -66,12 +82,14 @@ class BufferPool:
                 mem = self._buffers[i]  # (enumerate would hold a reference too)
                 if sys.getrefcount(mem) <= _IDLE_REFS:
                     self._used[i] = now
-                    return memoryview(mem)[:n]
+                    offset = self._offsets[i]
+                    return memoryview(mem)[offset : offset + n]
             if len(self._buffers) < self.most:
-                view = aligned_buffer(self.size)
-                self._buffers.append(view.obj)  # type: ignore[arg-type]
+                mem, offset = _allocate(self.size)
+                self._buffers.append(mem)
+                self._offsets.append(offset)
                 self._used.append(now)
-                return view[:n]
+                return memoryview(mem)[offset : offset + n]
         self.fresh += 1
         return aligned_buffer(n)
 
@@ -86,5 +104,6 @@ class BufferPool:
                     keep.append(i)
             dropped = len(self._buffers) - len(keep)
             self._buffers = [self._buffers[i] for i in keep]
+            self._offsets = [self._offsets[i] for i in keep]
             self._used = [self._used[i] for i in keep]
         return dropped

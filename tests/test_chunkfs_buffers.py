@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
-from hypermesh.chunkfs.buffers import BufferPool, aligned_buffer
+from hypermesh.chunkfs.buffers import HUGE, BufferPool, aligned_buffer
 
 MiB = 1 << 20
 
@@ -19,6 +20,25 @@ def test_aligned_buffers_are_page_aligned_writable_and_zeroed() -> None:
         assert len(buf) == size and not buf.readonly
         assert address(buf) % 4096 == 0
         assert buf == bytes(size)
+
+
+def test_large_buffers_start_on_a_huge_page_boundary_and_are_private() -> None:
+    """From 2 MiB up, buffers start on a 2 MiB boundary (so the kernel can back them
+    with transparent huge pages), pooled ones too; and the memory is private to the
+    process (mmap's default for anonymous memory is shared, which no huge page backs
+    and which a forked child would share)."""
+    pool = BufferPool(16 * MiB, most=2)
+    for buf in (aligned_buffer(16 * MiB), aligned_buffer(3 * MiB), pool.get(16 * MiB),
+                pool.get(5 * MiB)):
+        assert address(buf) % HUGE == 0
+    buf = aligned_buffer(2 * MiB)
+    buf[:4] = b"mine"
+    pid = os.fork()
+    if pid == 0:  # the child scribbles on its copy and leaves at once
+        buf[:4] = b"kids"
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert buf[:4] == b"mine"
 
 
 def test_a_buffer_is_handed_out_again_only_when_no_view_of_it_is_left() -> None:
