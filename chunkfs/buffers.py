@@ -73,11 +73,11 @@ class BufferPool:
             return len(self._buffers)
 
     def get(self, n: int) -> memoryview:
-        if n > self.size:
-            self.fresh += 1
-            return aligned_buffer(n)
         now = time.monotonic()
         with self._lock:
+            if n > self.size:
+                self.fresh += 1
+                return aligned_buffer(n)
             for i in range(len(self._buffers)):
                 mem = self._buffers[i]  # (enumerate would hold a reference too)
                 if sys.getrefcount(mem) <= _IDLE_REFS:
@@ -90,7 +90,7 @@ class BufferPool:
                 self._offsets.append(offset)
                 self._used.append(now)
                 return memoryview(mem)[offset : offset + n]
-        self.fresh += 1
+            self.fresh += 1
         return aligned_buffer(n)
 
     def trim(self) -> int:
