@@ -127,6 +127,8 @@ class FetchConfig:
                              f"{self.range_bytes}")
         if self.threads < 1 or self.prefetch_threads < 1 or self.prefetch_queue < 0:
             raise ValueError("threads and prefetch_threads must be >= 1, prefetch_queue >= 0")
+        if self.buffers < 0:
+            raise ValueError(f"buffers must be >= 0, got {self.buffers}")
         if not 0 < self.readahead_start <= self.readahead_max:
             raise ValueError("need 0 < readahead_start <= readahead_max")
 

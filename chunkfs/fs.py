@@ -391,6 +391,7 @@ class ChunkFS(pyfuse3.Operations):
             cached = self.files.read_cached(handle.entry, off, size)
             if cached is not None:  # a small file's bytes already here: no thread hop
                 return cached
+            # bytes, or a memoryview into a fetched run: pyfuse3 replies from any buffer
             return await _thread(
                 self.files.read, handle.entry, off, size, handle.readahead, handle.push
             )

@@ -110,6 +110,16 @@ def reader(fake: FakeStore, tmp_path: Path) -> Iterator[ChunkReader]:
     yield from make_reader(fake, tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [("range_bytes", MiB + 1, "range_bytes"), ("threads", 0, "threads"),
+     ("buffers", -1, "buffers"), ("readahead_start", 0, "readahead_start")],
+)
+def test_fetch_config_names_what_is_out_of_range(field: str, value: int, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        FetchConfig(**{field: value})  # type: ignore[arg-type]
+
+
 def test_runs_coalesce_adjacent_blocks_up_to_a_limit() -> None:
     assert runs([5, 1, 2, 3, 7, 8, 9, 10, 11], 4) == [[1, 2, 3], [5], [7, 8, 9, 10], [11]]
     assert runs([], 4) == []
