@@ -26,9 +26,9 @@ from hypermesh.chunkfs.store import S3Store
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.localmesh import AgentProcess, EtcdServer, wait_for
+from hypermesh.s3proxy import CountingS3Proxy
 from hypermesh.s3server import S3Server
 from tests.conftest import TEST_BUCKET, Mesh
-from tests.s3_proxy import CountingProxy
 
 MiB = 1 << 20
 FILES = ("a.bin", "b.bin", "c.bin")  # 3 MiB each, one 4 MiB chunk each
@@ -37,7 +37,7 @@ FILES = ("a.bin", "b.bin", "c.bin")  # 3 MiB each, one 4 MiB chunk each
 @dataclass
 class Node:
     agent: AgentProcess
-    proxy: CountingProxy
+    proxy: CountingS3Proxy
     mount: MountProcess
 
     def read(self, name: str) -> bytes:
@@ -109,7 +109,7 @@ def pair(agents: tuple[Mesh, str], s3_server: S3Server, tmp_path: Path) -> Itera
         store.close()
     assert len(root.chunks) == len(FILES)
     nodes: list[Node] = []
-    with CountingProxy(s3_server.endpoint) as pa, CountingProxy(s3_server.endpoint) as pb:
+    with CountingS3Proxy(s3_server.endpoint) as pa, CountingS3Proxy(s3_server.endpoint) as pb:
         try:
             for agent, proxy in ((mesh.agents["a"], pa), (mesh.agents["b"], pb)):
                 if not agent.alive:  # an earlier test killed it

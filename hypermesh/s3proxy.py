@@ -1,10 +1,11 @@
-"""A counting HTTP proxy in front of an S3 endpoint, for benchmarks of clients without
-counters of their own (s3fs): how many object GETs they send and how many body bytes
-those return.
+"""A counting HTTP proxy in front of an S3 endpoint, for tests and benchmarks: which
+objects a client GETs and how often (``count``), and in all how many object GETs it
+sends and how many body bytes those return (for clients without counters of their
+own, such as s3fs).
 
     with CountingS3Proxy("http://127.0.0.1:8333") as proxy:
         ...  # point the client at proxy.endpoint
-        proxy.object_gets, proxy.object_get_bytes
+        proxy.count("/chunks/ab/abcd"), proxy.object_gets, proxy.object_get_bytes
 
 Requests are forwarded unchanged, the Host header too, so SigV4 signatures made for the
 proxy's address stay valid. A GET counts as an object GET when its path names a key
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -25,10 +27,13 @@ PIECE = 1 << 20
 
 
 class CountingS3Proxy:
-    """Forwards to ``upstream`` (``http://HOST:PORT``) and counts object GETs."""
+    """Forwards to ``upstream`` (``http://HOST:PORT``). ``gets``: every GET by path,
+    counted as it arrives; ``object_gets``/``object_get_bytes``: GETs of a key
+    answered with success, and their body bytes, counted once answered."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlsplit(upstream).netloc
+        self.gets: Counter[str] = Counter()  # every GET, by path
         self.object_gets = 0
         self.object_get_bytes = 0
         self._lock = threading.Lock()
@@ -37,7 +42,13 @@ class CountingS3Proxy:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
-    def _count(self, nbytes: int) -> None:
+    def count(self, suffix: str) -> int:
+        """GETs of paths ending with ``suffix``."""
+        with self._lock:
+            return sum(n for path, n in self.gets.items() if path.endswith(suffix))
+
+    def _answered(self, nbytes: int) -> None:
+        """An object GET was answered with ``nbytes`` of body."""
         with self._lock:
             self.object_gets += 1
             self.object_get_bytes += nbytes
@@ -52,6 +63,10 @@ class CountingS3Proxy:
                 pass
 
             def _forward(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if self.command == "GET":
+                    with proxy._lock:  # counted as it is asked, before it is answered
+                        proxy.gets[path] += 1
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -78,9 +93,8 @@ class CountingS3Proxy:
                             sent += len(piece)
                 finally:
                     conn.close()
-                path = self.path.split("?", 1)[0].strip("/")
-                if self.command == "GET" and "/" in path and resp.status < 300:
-                    proxy._count(sent)
+                if self.command == "GET" and "/" in path.strip("/") and resp.status < 300:
+                    proxy._answered(sent)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
