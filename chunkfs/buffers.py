@@ -19,12 +19,21 @@ import mmap
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
-#: References to an idle pooled buffer while ``BufferPool`` looks at it: the pool's
-#: list, a local variable, and ``sys.getrefcount``'s own argument.
-_IDLE_REFS = 3
+#: References to an idle pooled buffer's memory while ``BufferPool`` looks at it: its
+#: slot and ``sys.getrefcount``'s own argument (every view of it adds one).
+_IDLE_REFS = 2
 HUGE = 2 << 20  # a transparent huge page
 PRIVATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (mmap's default for -1 is shared memory)
+
+
+def address(buffer: memoryview | mmap.mmap) -> int | None:
+    """The address of a writable buffer's first byte; None if it is read-only or empty."""
+    view = memoryview(buffer)
+    if view.readonly or not view.nbytes:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def aligned_buffer(size: int) -> memoryview:
@@ -43,10 +52,19 @@ def _allocate(size: int) -> tuple[mmap.mmap, int]:
     if size < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return mmap.mmap(-1, max(size, 1), flags=PRIVATE), 0
     mem = mmap.mmap(-1, size + HUGE, flags=PRIVATE)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mem))
     with contextlib.suppress(OSError):
         mem.madvise(mmap.MADV_HUGEPAGE)
-    return mem, -address % HUGE
+    return mem, -(address(mem) or 0) % HUGE
+
+
+@dataclass
+class _Slot:
+    mem: mmap.mmap
+    offset: int  # where the aligned bytes start in ``mem``
+    used: float  # when it was last handed out
+
+    def idle(self) -> bool:
+        return sys.getrefcount(self.mem) <= _IDLE_REFS
 
 
 class BufferPool:
@@ -64,46 +82,30 @@ class BufferPool:
         self.size, self.most, self.idle_s = size, most, idle_s
         self.fresh = 0  # buffers that had to be allocated outside the pool
         self._lock = threading.Lock()
-        self._buffers: list[mmap.mmap] = []
-        self._offsets: list[int] = []  # where each buffer's aligned bytes start
-        self._used: list[float] = []  # when each buffer was last handed out
+        self._slots: list[_Slot] = []
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._buffers)
+            return len(self._slots)
 
     def get(self, n: int) -> memoryview:
         now = time.monotonic()
         with self._lock:
-            if n > self.size:
+            slot = next((s for s in self._slots if s.idle()), None) if n <= self.size else None
+            if slot is None and n <= self.size and len(self._slots) < self.most:
+                slot = _Slot(*_allocate(self.size), now)
+                self._slots.append(slot)
+            if slot is None:
                 self.fresh += 1
-                return aligned_buffer(n)
-            for i in range(len(self._buffers)):
-                mem = self._buffers[i]  # (enumerate would hold a reference too)
-                if sys.getrefcount(mem) <= _IDLE_REFS:
-                    self._used[i] = now
-                    offset = self._offsets[i]
-                    return memoryview(mem)[offset : offset + n]
-            if len(self._buffers) < self.most:
-                mem, offset = _allocate(self.size)
-                self._buffers.append(mem)
-                self._offsets.append(offset)
-                self._used.append(now)
-                return memoryview(mem)[offset : offset + n]
-            self.fresh += 1
+            else:
+                slot.used = now
+                return memoryview(slot.mem)[slot.offset : slot.offset + n]
         return aligned_buffer(n)
 
     def trim(self) -> int:
         """Drop the buffers idle for ``idle_s``; how many were dropped."""
         cutoff = time.monotonic() - self.idle_s
         with self._lock:
-            keep = []
-            for i in range(len(self._buffers)):
-                mem = self._buffers[i]
-                if self._used[i] > cutoff or sys.getrefcount(mem) > _IDLE_REFS:
-                    keep.append(i)
-            dropped = len(self._buffers) - len(keep)
-            self._buffers = [self._buffers[i] for i in keep]
-            self._offsets = [self._offsets[i] for i in keep]
-            self._used = [self._used[i] for i in keep]
-        return dropped
+            before = len(self._slots)
+            self._slots = [s for s in self._slots if s.used > cutoff or not s.idle()]
+            return before - len(self._slots)

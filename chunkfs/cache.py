@@ -36,7 +36,6 @@ blocks; everything else only reads. All methods are thread-safe.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -48,7 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypermesh.chunkfs.buffers import aligned_buffer
+from hypermesh.chunkfs.buffers import address, aligned_buffer
 from hypermesh.chunkfs.format import (
     BLOCK_SIZE,
     block_count,
@@ -516,7 +515,8 @@ class ChunkCache:
     def _aligned(self, data: bytes | memoryview) -> memoryview:
         """``data`` itself if it starts on an aligned address, else a copy that does."""
         view = memoryview(data)
-        if _address(view) % DIRECT_ALIGN == 0:
+        start = address(view)
+        if start is not None and start % DIRECT_ALIGN == 0:
             return view
         scratch: memoryview | None = getattr(self._scratch, "buf", None)
         if scratch is None or len(scratch) < len(view):
@@ -616,13 +616,6 @@ class ChunkCache:
         rec = _Chunk(cid, size, block_list, state)
         rec.present_bytes = sum(block_span(i, size)[1] for i, s in enumerate(state) if s)
         return rec
-
-
-def _address(view: memoryview) -> int:
-    """The address of a buffer's first byte; 1 (never aligned) if it is read-only."""
-    if view.readonly or not view.nbytes:
-        return 1
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _digest(block_list: bytes, index: int) -> bytes:

@@ -427,13 +427,9 @@ class ChunkReader:
         start = block_span(run[0], chunk.size)[0]
         end = sum(block_span(run[-1], chunk.size))
         buf = self.buffers.get(end - start)  # aligned blocks: cached without a copy
-
-        def get() -> memoryview:
-            self.store.get_range_into(chunk_key(chunk.id), start, buf)
-            return buf
-
         try:
-            self._retry(get, deadline)
+            self._retry(lambda: self.store.get_range_into(chunk_key(chunk.id), start, buf),
+                        deadline)
         except NoSuchObject as exc:
             raise CorruptData(f"chunk {chunk.id} is missing from {self.store.url}") from exc
         self.stats.add("store_bytes", len(buf))
