@@ -25,44 +25,45 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from hypermesh.agent import leader, spot
-from hypermesh.agent.attempt_logs import LogShipper
-from hypermesh.agent.blocks import BlockDuty, choose_block
-from hypermesh.agent.burst import BurstDuty
-from hypermesh.agent.burst_policy import BurstConfig
-from hypermesh.agent.chunk_share import ChunkShare
-from hypermesh.agent.claims import LocalLoad, choose_claims
-from hypermesh.agent.containers import Containers, image_for
-from hypermesh.agent.dirpool import DirPool
-from hypermesh.agent.gang_duty import GangDuty
-from hypermesh.agent.gossip import Gossip
-from hypermesh.agent.gossip_config import GossipConfig
-from hypermesh.agent.gpu_pool import GpuPool, gpu_source, visible_devices
-from hypermesh.agent.health import Health
-from hypermesh.agent.locality import Locality
-from hypermesh.agent.metrics import MetricsServer
-from hypermesh.agent.metrics_watch import attempt_watch, metrics_file
-from hypermesh.agent.mounts import Mounts
-from hypermesh.agent.pool_wait import PoolWait
-from hypermesh.agent.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
-from hypermesh.agent.share_config import ShareConfig
-from hypermesh.agent.telemetry import TaskRoot, Telemetry, detect_machine
-from hypermesh.agent.unsure import UnsureClaims
-from hypermesh.agent.wake_timer import WakeTimer
+from hypermesh.agent import leader
+from hypermesh.agent.burst import spot
+from hypermesh.agent.burst.duty import BurstDuty
+from hypermesh.agent.burst.policy import BurstConfig
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims
+from hypermesh.agent.claims.locality import Locality
+from hypermesh.agent.claims.pool_wait import PoolWait
+from hypermesh.agent.claims.unsure import UnsureClaims
+from hypermesh.agent.claims.wake_timer import WakeTimer
+from hypermesh.agent.gang.duty import GangDuty
+from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.duty import Gossip
+from hypermesh.agent.ops.health import Health
+from hypermesh.agent.ops.metrics import MetricsServer
+from hypermesh.agent.ops.telemetry import TaskRoot, Telemetry, detect_machine
+from hypermesh.agent.share.config import ShareConfig
+from hypermesh.agent.share.duty import ChunkShare
+from hypermesh.agent.tasks.blocks import BlockDuty, choose_block
+from hypermesh.agent.tasks.containers import Containers, image_for
+from hypermesh.agent.tasks.dirpool import DirPool
+from hypermesh.agent.tasks.gpu_pool import GpuPool, gpu_source, visible_devices
+from hypermesh.agent.tasks.logs import LogShipper
+from hypermesh.agent.tasks.metrics_watch import attempt_watch, metrics_file
+from hypermesh.agent.tasks.mounts import Mounts
+from hypermesh.agent.tasks.runner import AttemptProcess, Outcome, use_pidfd_child_watcher
 
-from hypermesh import search
 from hypermesh._proto import agent_pb2_grpc
-from hypermesh.blocks import block_size
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
-from hypermesh.etcd import Etcd, hush_broken_stream_noise
-from hypermesh.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.model import TERMINAL, Attempt, MeshView, NodeRecord, dumps
-from hypermesh.recipe import Experiment
-from hypermesh.sampling import expand, expand_more, experiment_seed
-from hypermesh.search import is_adaptive
-from hypermesh.templating import param_env, render
-from hypermesh.txns import (
+from hypermesh.recipe.recipe import Experiment
+from hypermesh.recipe.sampling import expand, expand_more, experiment_seed
+from hypermesh.recipe.templating import param_env, render
+from hypermesh.state import search
+from hypermesh.state.blocks import block_size
+from hypermesh.state.etcd import Etcd, hush_broken_stream_noise
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.model import TERMINAL, Attempt, MeshView, NodeRecord, dumps
+from hypermesh.state.search import is_adaptive
+from hypermesh.state.txns import (
     ClaimPlan,
     Finish,
     add_task,
@@ -102,7 +103,7 @@ class Running:
     devices: list[int] = field(default_factory=list)  # GPU indices booked for it
     process: AttemptProcess | None = None
     task: asyncio.Task[None] | None = None
-    block: BlockRef | None = None  # the held block it belongs to (agent/blocks.py)
+    block: BlockRef | None = None  # the held block it belongs to (agent/tasks/blocks.py)
     started_at: float | None = None
 
 
@@ -353,7 +354,9 @@ class Agent:
         a thread after the agent has registered, so they never delay its start;
         connections wait in the socket's backlog meanwhile."""
         try:
-            module = await asyncio.to_thread(importlib.import_module, "hypermesh.agent.dashboard")
+            module = await asyncio.to_thread(
+                importlib.import_module, "hypermesh.agent.ops.dashboard"
+            )
             self._dashboard = await module.serve(self, sock)
         except Exception:
             log.exception("%s: the web dashboard failed to start", self.cfg.name)
@@ -715,7 +718,7 @@ class Agent:
 
     async def _start_block_tasks(self) -> None:
         """Fill free slots from the blocks held here, claiming another block when
-        they have nothing left to start (agent/blocks.py)."""
+        they have nothing left to start (agent/tasks/blocks.py)."""
         me = self.record()
         while not self._stop.is_set() and not self._lease_lost.is_set():
             if me.slots - len(self.running) - len(self.gangs.held()) - len(self.claiming) <= 0:
@@ -753,7 +756,7 @@ class Agent:
             if not plans:
                 return
             # Until the claim is decided its slots and GPUs are taken here, so that a
-            # gang seat joined meanwhile (agent/gang_duty.py) cannot take them too.
+            # gang seat joined meanwhile (agent/gang/duty.py) cannot take them too.
             self.claiming = {plan.ref for plan in plans}
             if load.gpu_pool is not None:
                 for plan in plans:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypermesh.model import TERMINAL, MeshView
-from hypermesh.search import DEFAULT_PARALLELISM, is_adaptive, next_indices
+from hypermesh.state.model import TERMINAL, MeshView
+from hypermesh.state.search import DEFAULT_PARALLELISM, is_adaptive, next_indices
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from hypermesh.agent.chunk_share import PeerLost, stream_pieces
-from hypermesh.agent.gossip_link import serve_stream
-from hypermesh.agent.telemetry import cpu_percent
+from hypermesh.agent.gossip.link import serve_stream
+from hypermesh.agent.ops.telemetry import cpu_percent
+from hypermesh.agent.share.duty import PeerLost, stream_pieces
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.keyspace import TaskRef
+from hypermesh.state.keyspace import TaskRef
 
 if TYPE_CHECKING:
     from hypermesh.agent.daemon import Agent
@@ -63,7 +63,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             ref = TaskRef.parse(request.task_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # A silent attempt that succeeded has no log file (agent/runner.py).
+        # A silent attempt that succeeded has no log file (agent/tasks/runner.py).
         attempts = a.full_view().attempts.get(ref, {})
         ran_here = {n for n, at in attempts.items() if at.node == a.cfg.name}
         attempt = request.attempt

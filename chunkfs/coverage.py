@@ -1,6 +1,6 @@
 """Which chunks a path of a data set version covers, and how many of its bytes are in each.
 
-A task's inputs (``hypermesh/inputs.py``) name paths; placing the task near its data
+A task's inputs (``hypermesh/recipe/inputs.py``) name paths; placing the task near its data
 needs the chunks under them. ``covered_chunks`` answers through the manifest's own
 lookups: a file is one ``lookup``; a directory is walked with ``listdir``, which loads
 only the pages holding that subtree, so the answer never needs the whole file list in

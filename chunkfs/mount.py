@@ -59,7 +59,7 @@ from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
 
 from hypermesh.errors import HypermeshError, UsageError
-from hypermesh.units import parse_duration, parse_size
+from hypermesh.recipe.units import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-from hypermesh.cli import main
+from hypermesh.cli.main import main
 
 main()

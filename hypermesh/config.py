@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypermesh.errors import UsageError
-from hypermesh.keyspace import NODE_NAME_RE
-from hypermesh.units import UnitError, parse_duration, parse_size
+from hypermesh.recipe.units import UnitError, parse_duration, parse_size
+from hypermesh.state.keyspace import NODE_NAME_RE
 
 ENV_ETCD = "HYPERMESH_ETCD"
 ENV_NAMESPACE = "HYPERMESH_NAMESPACE"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Simulate a sweep on a static pool plus a burst pool, driven by the real policy.
 
-The leader's policy (``hypermesh.agent.burst_policy.decide``) runs every tick on
+The leader's policy (``hypermesh.agent.burst.policy.decide``) runs every tick on
 a simulated clock; everything around it is simulated: nodes boot after a delay,
 spot nodes are preempted at random (a Poisson rate per node-hour; the task they
 ran is lost and runs again), spot launches are refused at random (the node then
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypermesh.agent.burst_policy import (
+from hypermesh.agent.burst.policy import (
     Backlog,
     BurstConfig,
     Forget,
@@ -39,7 +39,7 @@ from hypermesh.agent.burst_policy import (
     decide,
 )
 
-from hypermesh.pools import Pool
+from hypermesh.state.pools import Pool
 
 
 @dataclass

@@ -33,7 +33,7 @@ from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.s3server import S3Server
+from hypermesh.local.s3server import S3Server
 
 MiB = 1 << 20
 BUCKET = "bench"

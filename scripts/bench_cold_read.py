@@ -32,7 +32,7 @@ from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.s3server import S3Server
+from hypermesh.local.s3server import S3Server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_chunkfs import BUCKET, MiB, drop_caches, read_file

@@ -3,7 +3,7 @@
 Each round runs both sides on this machine, alternating, so that both see the
 same noise:
 
-* hypermesh: a fresh :class:`~hypermesh.localmesh.LocalMesh` (a real etcd and
+* hypermesh: a fresh :class:`~hypermesh.local.mesh.LocalMesh` (a real etcd and
   ``--agents`` agents with ``--slots`` slots each, started with the product's
   default timings, ``--preset lan``, unless ``--preset local`` asks for the test
   suite's fast ones); a recipe with one experiment of ``--tasks``
@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hypermesh.localmesh import LocalMesh, etcd_binary, hypermesh_command, wait_for
+from hypermesh.local.mesh import LocalMesh, etcd_binary, hypermesh_command, wait_for
 
 SUBMIT_TIMEOUT_S = 600.0
 """Upper bound on one ``submit --wait`` (and on one xargs run), in seconds."""

@@ -4,7 +4,7 @@
     bench_gossip_sim.py [--sizes 1000,10000] [--seeds 3] [--small-seeds 20]
                         [--loss-nodes 1000] [--loss-periods 1000] [--json]
 
-Everything runs in ``agent/simnet.py`` on a virtual clock: one-way latency
+Everything runs in ``agent/gossip/simnet.py`` on a virtual clock: one-way latency
 uniform in 0.5-2 ms, every member ticked exactly when it asks. Times are in
 protocol periods (0.5 s in the lan preset) unless marked as seconds.
 
@@ -40,9 +40,9 @@ import sys
 import time
 from typing import Any
 
-from hypermesh.agent.gossip_config import GossipConfig
-from hypermesh.agent.simnet import SimNet
-from hypermesh.agent.suspicion import (
+from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.simnet import SimNet
+from hypermesh.agent.gossip.suspicion import (
     expected_confirmations,
     retransmit_limit,
     suspicion_bounds,

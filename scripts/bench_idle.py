@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from hypermesh.localmesh import LocalMesh
+from hypermesh.local.mesh import LocalMesh
 
 
 def main() -> int:

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hypermesh.localmesh import LocalMesh, hypermesh_command, wait_for
+from hypermesh.local.mesh import LocalMesh, hypermesh_command, wait_for
 
 MIB = 1 << 20
 EPOCH_TIMEOUT_S = 600.0

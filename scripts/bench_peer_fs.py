@@ -14,7 +14,7 @@ For each file system, medians over ``--rounds``:
   daemon (with its children) per GB read; the GETs per GiB and the bytes fetched from
   S3 per byte read: JuiceFS counts its own; s3fs has no counters, so after its timed
   rounds one more cold pass of each read goes through a counting proxy
-  (``hypermesh.s3proxy``; counted only, not timed).
+  (``hypermesh.local.s3proxy``; counted only, not timed).
 Baselines: ``raw_s3`` (boto3 ranged GETs of the big file's plain object, 8 x 8 MiB at
 a time, page cache dropped first) and ``local`` (the source files on local disk after
 dropping the page cache). Whether the page cache could be dropped is reported: without
@@ -58,8 +58,8 @@ from peer_fs import (
     upload_tree,
 )
 
-from hypermesh.s3proxy import CountingS3Proxy
-from hypermesh.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
+from hypermesh.local.s3proxy import CountingS3Proxy
+from hypermesh.local.s3server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 
 SYSTEMS = ("juicefs", "s3fs")
 BIG = "big"  # the big file's directory, in the source tree, the mounts and the buckets

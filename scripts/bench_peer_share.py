@@ -42,8 +42,8 @@ from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.localmesh import AgentProcess, EtcdServer, unmount_under, wait_for
-from hypermesh.s3server import S3Server
+from hypermesh.local.mesh import AgentProcess, EtcdServer, unmount_under, wait_for
+from hypermesh.local.s3server import S3Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chunkfs import drop_caches, read_file

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.cli import load_view
-from hypermesh.etcd import Etcd, parse_endpoints
-from hypermesh.keyspace import Keyspace
-from hypermesh.localmesh import AgentProcess, LocalMesh, hypermesh_command, wait_for
+from hypermesh.cli.main import load_view
+from hypermesh.local.mesh import AgentProcess, LocalMesh, hypermesh_command, wait_for
+from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.keyspace import Keyspace
 
 
 def tasks_of(env: dict[str, str], wid: str) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Adaptive search (`sampling: tpe`) against random search, and what a suggestion costs.
 
-Runs the mesh's own search code (``hypermesh.search``, the code the leader runs) with
+Runs the mesh's own search code (``hypermesh.state.search``, the code the leader runs) with
 trials simulated in process: the trial function is f(x, y) = (x-2)^2 + (y+1)^2 on
 [-10, 10]^2, ``workers`` trials are unfinished at a time, and they finish in a random
 order (a seeded shuffle per round: on a mesh the order depends on timing). Random search
@@ -19,9 +19,9 @@ import statistics
 import time
 from typing import Any
 
-from hypermesh.recipe import Experiment, parse_recipe
-from hypermesh.sampling import expand
-from hypermesh.search import Trial, next_indices, suggest
+from hypermesh.recipe.recipe import Experiment, parse_recipe
+from hypermesh.recipe.sampling import expand
+from hypermesh.state.search import Trial, next_indices, suggest
 
 RECIPE = """
 experiments:

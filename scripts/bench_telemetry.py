@@ -25,10 +25,10 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from hypermesh.agent.gpus import open_gpus
-from hypermesh.agent.telemetry import Sampler, TaskRoot
+from hypermesh.agent.ops.gpus import open_gpus
+from hypermesh.agent.ops.telemetry import Sampler, TaskRoot
 
-from hypermesh.localmesh import LocalMesh
+from hypermesh.local.mesh import LocalMesh
 
 
 def sampler_cost(processes: int, samples: int = 200) -> tuple[float, float]:

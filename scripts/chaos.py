@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.localmesh import LocalMesh, hypermesh_command
+from hypermesh.local.mesh import LocalMesh, hypermesh_command
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 60) -> Any:

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from hypermesh.localmesh import LocalMesh, hypermesh_command
+from hypermesh.local.mesh import LocalMesh, hypermesh_command
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,8 +23,7 @@ import psutil
 import pytest
 from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.keyspace import TaskRef
-from hypermesh.localmesh import (
+from hypermesh.local.mesh import (
     AgentProcess,
     EtcdServer,
     mesh_agents,
@@ -32,7 +31,8 @@ from hypermesh.localmesh import (
     unmount_under,
     wait_for,
 )
-from hypermesh.s3server import S3Server
+from hypermesh.local.s3server import S3Server
+from hypermesh.state.keyspace import TaskRef
 
 # All tests share one bucket: SeaweedFS gives every bucket its own volumes, so a
 # bucket per test would run the server out of volumes.

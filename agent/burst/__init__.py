@@ -1,0 +1,1 @@
+"""Hybrid bursting: the leader's policy, its view of the backlog, provisioners and spot notices."""

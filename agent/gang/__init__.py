@@ -1,0 +1,1 @@
+"""Gangs for distributed training: N agents at once, all or nothing."""

@@ -1,0 +1,1 @@
+"""Gossip between agents: SWIM membership with Lifeguard (pure) and its gRPC transport."""

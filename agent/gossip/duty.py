@@ -1,0 +1,355 @@
+"""Gossip between agents: the I/O around the pure SWIM state machine (``swim.py``).
+
+This module carries the protocol's messages over the agent's gRPC API (one
+``GossipStream`` per peer, ``gossip_link.py``), tells the protocol when a peer
+refused a connection, feeds it
+the node's load as metadata, and turns its verdicts into action: when a member
+is declared dead, the leader (or every agent, when the leader is the one that
+died or none is known) revokes that node's etcd lease, so its tasks are claimed
+again at once. A node wrongly declared dead loses its lease, kills its tasks,
+rejoins, and its late results are fenced off, so a wrong verdict costs work,
+never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.link import PeerLink
+from hypermesh.agent.gossip.swim import Message, Outgoing, Swim
+from hypermesh.chunkfs.holdings import SOURCES, merge
+
+from hypermesh._proto import agent_pb2
+from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.tasks.mounts import CacheScan
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly to a peer that comes back; grpc's default backoff grows to 2 min.
+DATA_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+CHANNEL_OPTIONS = [*DATA_CHANNEL_OPTIONS, *SMALL_MESSAGE_GRPC_OPTIONS]
+META_MIN_INTERVAL_S = 0.5  # meta changes are gossiped at most this often
+# A busy node's task counts change with every start and end; each new meta is gossiped
+# to a few peers every gossip interval until retransmitted enough, so counts alone are
+# republished less often: nothing schedules by them, ``hypermesh nodes`` shows them.
+LOAD_MIN_INTERVAL_S = 2.0
+LOAD_FIELDS = frozenset({"running", "free_slots", "free_gpus"})
+IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
+BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
+
+
+def _encode(out: Outgoing) -> bytes:
+    return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
+
+
+class Gossip:
+    """One agent's membership in the gossip mesh. Owned by the agent's event loop."""
+
+    def __init__(self, agent: Agent, cfg: GossipConfig) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.swim: Swim | None = None
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.data_channels: dict[str, grpc.aio.Channel] = {}
+        self.links: dict[str, PeerLink] = {}
+        self.revoked: set[tuple[str, int]] = set()
+        self._meta: dict[str, Any] = {}
+        self._meta_at = 0.0
+        self._wake = asyncio.Event()
+        self._sleep_until = 0.0  # when the protocol loop wakes by itself next
+        self._sends: set[asyncio.Task[None]] = set()
+        self._cached_bytes = 0
+        self._reads: dict[str, int] = {}  # blocks this node's mounts read, by source
+        self.caches: list[CacheScan] = []  # each chunk cache as of the last scan
+        self._holdings_at = -math.inf
+        self._holdings: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ running
+    async def run(self) -> None:
+        a = self.agent
+        now = time.monotonic()
+        self.swim = Swim(a.cfg.name, a.address, self.cfg, random.Random(), now, meta=self.meta())
+        self._meta_at = now
+        try:
+            while True:
+                now = time.monotonic()
+                if not self._has_peers():
+                    seeds = self._seeds()
+                    if seeds:
+                        self._send(self.swim.join(seeds, now))
+                self._send(self.swim.tick(now))
+                self._publish_load(now)
+                await self._act_on_events()
+                self._sync_chunks()
+                delay = min(IDLE_TICK_S, max(0.01, self.swim.next_deadline() - time.monotonic()))
+                self._sleep_until = time.monotonic() + delay
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+        finally:
+            for task in [*self._sends, *([self._holdings] if self._holdings else [])]:
+                task.cancel()
+            self.agent.share.close()
+            for link in self.links.values():
+                await link.close()
+            channels = [*self.channels.values(), *self.data_channels.values()]
+            closing = [channel.close() for channel in channels]
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*closing), 2.0)
+
+    async def leave(self) -> None:
+        """Tell peers this node leaves on purpose (drain), best effort."""
+        if self.swim is not None:
+            self._send(self.swim.leave(time.monotonic()))
+            if self._sends:
+                await asyncio.wait(list(self._sends), timeout=1.0)
+
+    def _seeds(self) -> list[tuple[str, str]]:
+        """Peers to join through: the other nodes registered in etcd."""
+        me = self.agent.cfg.name
+        return [(n.name, n.address) for n in self.agent.view.nodes.values() if n.name != me]
+
+    def _has_peers(self) -> bool:
+        assert self.swim is not None
+        return self.swim.live_count() > 1  # someone besides this node
+
+    # ------------------------------------------------------------------ messages
+    def receive(self, payload: bytes) -> list[bytes]:
+        """A message from a peer (called by the gRPC servicer). Returns the encoded
+        messages for the sender, which go back in the call's response."""
+        if self.swim is None:
+            return []
+        message = Message.from_json(json.loads(payload))
+        outgoing = self.swim.receive(message, time.monotonic())
+        replies = [o for o in outgoing if o.to == message.sender]
+        self._send([o for o in outgoing if o.to != message.sender])
+        self._wake_if_due()
+        return [_encode(o) for o in replies]
+
+    def _wake_if_due(self) -> None:
+        """Wake the protocol loop only when a message made something due before the
+        loop's own wake-up (a new timer, a state change to act on): an idle mesh's
+        pings and acks then cost no extra loop turn."""
+        assert self.swim is not None
+        if self.swim.has_events or self.swim.next_deadline() < self._sleep_until:
+            self._wake.set()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to a peer for small messages: gossip, telemetry requests."""
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channels[address] = channel
+        return channel
+
+    def data_channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to a peer for bulk transfers (chunk streams): gRPC's flow
+        control may grow its windows, which the gossip channel does not let it."""
+        channel = self.data_channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=DATA_CHANNEL_OPTIONS)
+            self.data_channels[address] = channel
+        return channel
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for out in outgoing:
+            link = self.links.get(out.address)
+            if link is None:
+                link = PeerLink(
+                    self.channel(out.address),
+                    self.cfg.probe_timeout,
+                    self._on_reply,
+                    self._on_failed,
+                )
+                self.links[out.address] = link
+            link.send(out, _encode(out))
+
+    def _on_reply(self, payload: bytes) -> None:
+        if self.swim is None:
+            return
+        self._send(self.swim.receive(Message.from_json(json.loads(payload)), time.monotonic()))
+        self._wake_if_due()
+
+    def _on_failed(self, tag: object, was_refused: bool) -> None:
+        assert isinstance(tag, Outgoing)
+        if self.swim is None:
+            return
+        self._send(self.swim.send_failed(tag.to, time.monotonic(), was_refused))
+        self._wake_if_due()
+
+    # ------------------------------------------------------------------ metadata
+    def meta(self) -> dict[str, Any]:
+        """What this node gossips about itself: load and free capacity."""
+        a = self.agent
+        running = len(a.running)
+        gpus_used = sum(r.gpus for r in a.running.values())
+        return {
+            "running": running,
+            "slots": a.cfg.slots,
+            "free_slots": max(0, a.cfg.slots - running),
+            "gpus": a.machine.gpus,
+            "free_gpus": max(0.0, a.machine.gpus - gpus_used),
+            "state": a.state,
+            "cached_bytes": self._cached_bytes,
+            "reads": self._reads,
+            "chunks": a.share.peers.meta(),
+            # Lifeguard local health: peers skip waiting for a sick leader to act
+            "health": self.swim.local_health if self.swim is not None else 0,
+        }
+
+    def _refresh_holdings(self, now: float) -> None:
+        """Every ``scan_period_s`` (``ShareConfig``), look at what this node's chunk
+        caches hold (in a thread: it reads a small record per cached chunk): the bytes
+        cached and the chunk summary gossip advertises, and each cache on its own
+        (``caches``: bytes and reads by source per data set, for ``GetTelemetry``).
+        Nothing to do, and no thread, on a node that never mounted a data set."""
+        period = self.agent.share.cfg.scan_period_s
+        if now - self._holdings_at < period or self._holdings is not None:
+            return
+        self._holdings_at = now
+        mounts = self.agent.mounts
+        if not mounts.has_caches():
+            return
+
+        async def scan() -> None:
+            try:
+                caches = await asyncio.to_thread(mounts.scan_caches)
+                held = merge(c.held for c in caches)
+                self._cached_bytes = sum(h.present_bytes for h in held.values())
+                self._reads = {s: sum(c.reads.get(s, 0) for c in caches) for s in SOURCES}
+                self.caches = caches
+                self.agent.share.scanned(held)
+                await self.agent.share.publish_elsewhere(held, mounts.cache_roots)
+            except Exception:  # a bad cache directory must not stop gossip
+                log.exception("counting the chunk caches failed")
+            finally:
+                self._holdings = None
+
+        self._holdings = asyncio.create_task(scan())
+
+    def _publish_load(self, now: float) -> None:
+        assert self.swim is not None
+        self._refresh_holdings(now)
+        meta = self.meta()
+        if meta == self._meta:
+            return
+        changed = {k for k in meta.keys() | self._meta.keys() if meta.get(k) != self._meta.get(k)}
+        wait = LOAD_MIN_INTERVAL_S if changed <= LOAD_FIELDS else META_MIN_INTERVAL_S
+        if now - self._meta_at >= wait:
+            self.swim.set_meta(meta, now)
+            self._meta, self._meta_at = meta, now
+
+    # ------------------------------------------------------------------ verdicts
+    async def _act_on_events(self) -> None:
+        assert self.swim is not None
+        a = self.agent
+        for member, old, new in self.swim.drain_events():
+            a.share.member_state(member, new)
+            if old:  # a first sighting ("" -> alive) is not a decision
+                health = self.swim.local_health
+                sick = f" [local health {health}]" if health else ""
+                a.decide(f"gossip: {member} {old} -> {new}{self._reason(member, new)}{sick}")
+            if new != "dead" or member == a.cfg.name:
+                continue
+            unhealthy = self.swim.local_health > self.cfg.awareness_max // 2
+            if not a.lease_fresh() or a.lease_is_lost or unhealthy:
+                # We may be the one that stalled (paused, overloaded): our verdicts
+                # about others are not to be trusted until we are healthy again.
+                a.decide(f"gossip: not acting on {member}'s death while unhealthy")
+                continue
+            leader = a.view.leader()
+            delay = 0.0
+            if leader not in (a.cfg.name, None, member) and not self._sick(leader):
+                # The leader acts on it; we step in only if it has not after a while
+                # (it may be unhealthy itself, or not have reached the verdict yet).
+                delay = BACKUP_REVOKE_PERIODS * self.cfg.protocol_period
+            node = a.view.nodes.get(member)
+            if node is None or (member, node.lease) in self.revoked:
+                continue
+            self.revoked.add((member, node.lease))
+            task = asyncio.create_task(self._revoke(member, node.lease, delay))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    def _sync_chunks(self) -> None:
+        """Hand peers' changed metas (chunk summaries) to the chunk share; it fetches
+        snapshots of replicas a delta cannot bring up to date."""
+        assert self.swim is not None
+        share = self.agent.share
+        for member in self.swim.drain_meta_changes():
+            view = self.swim.member(member)
+            if view is not None and member != self.agent.cfg.name:
+                share.observe(member, view.meta)
+        share.tick()
+
+    def _sick(self, member: str) -> bool:
+        """Whether ``member`` last gossiped a local health too poor to act on deaths."""
+        assert self.swim is not None
+        view = self.swim.member(member)
+        health = view.meta.get("health", 0) if view is not None else 0
+        return isinstance(health, int) and health > self.cfg.awareness_max // 2
+
+    def _reason(self, member: str, new: str) -> str:
+        """Why this member declared ``member`` dead itself (empty when it heard it)."""
+        assert self.swim is not None
+        if new == "dead":
+            for _, who, what, why in reversed(self.swim.log):
+                if who == member and what == "declared-dead":
+                    return f" ({why})"
+        return ""
+
+    async def _revoke(self, member: str, lease: int, delay: float) -> None:
+        a = self.agent
+        if delay:
+            await asyncio.sleep(delay)
+            node = a.view.nodes.get(member)
+            alive = self.swim is not None and (m := self.swim.member(member)) is not None
+            if node is None or node.lease != lease or (alive and m.state == "alive"):
+                return  # revoked by the leader meanwhile, or refuted
+            a.decide(f"gossip: {member} is dead and the leader has not acted; revoking")
+        a.decide(f"gossip: {member} is dead; revoking its lease {lease:x}")
+        try:
+            await a.etcd.revoke(lease)
+        except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
+            log.exception("revoking the lease of %s", member)
+
+    def alive(self, name: str) -> bool:
+        """Whether gossip has ``name`` alive (or has not heard of it yet)."""
+        member = self.swim.member(name) if self.swim is not None else None
+        return member is None or member.state == "alive"
+
+    def members(self) -> agent_pb2.Members:
+        if self.swim is None:
+            return agent_pb2.Members()
+        to_wall = time.time() - time.monotonic()  # state_since is on the monotonic clock
+        return agent_pb2.Members(
+            members=[
+                agent_pb2.Member(
+                    name=m.name,
+                    address=m.address,
+                    state=m.state,
+                    incarnation=m.incarnation,
+                    meta_json=json.dumps(m.meta, sort_keys=True),
+                    state_since=m.state_since + to_wall,
+                )
+                for m in sorted(self.swim.members().values(), key=lambda m: m.name)
+            ],
+            local_health=self.swim.local_health,
+        )

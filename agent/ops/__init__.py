@@ -1,0 +1,1 @@
+"""Operating an agent: gRPC health, telemetry, Prometheus metrics and the web dashboard."""

@@ -1,0 +1,199 @@
+"""The web dashboard every agent serves (``agent start --http-listen``).
+
+One static page (``static/index.html`` and ``static/app.js``, no build step,
+nothing fetched from elsewhere) and a few JSON endpoints, served by aiohttp on the
+agent's own event loop. The endpoints answer from what the agent already holds:
+its mirror of the namespace (the same ``MeshView`` functions the CLI uses for
+``status`` and ``tasks``), its gossip table (``nodes``) and the attempt log reader
+that ``hypermesh logs`` uses. The page polls them once a second while it is open;
+the server does no work of its own when nobody looks.
+
+- ``GET /api/workflows``: ``status --json`` of every workflow, newest first.
+- ``GET /api/workflows/WID``: its status, its DAG (experiments with ``after`` and
+  live changes) and ``tasks --json``.
+- ``GET /api/nodes``: ``nodes --all --json`` as this agent sees the mesh, plus each
+  node's dashboard address and its latest telemetry with per-task usage (asked of
+  every node at once, each for at most ``TELEMETRY_WAIT_S``; one that does not
+  answer shows none).
+- ``GET /api/logs/TASK_ID?attempt=N&offset=K``: the attempt's log from byte K on
+  (at most ``LOG_PAGE`` bytes), and whether the attempt still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from hypermesh.agent.ops.telemetry_client import fetch_telemetry, message_json
+from hypermesh.agent.tasks.logs import stream_log
+
+from hypermesh.errors import HypermeshError, NotFound
+from hypermesh.state.keyspace import TaskRef
+from hypermesh.state.node_rows import gossip_table, node_rows
+from hypermesh.state.pools import parse_pools, usage_cost
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+
+LOG_PAGE = 1 << 20  # most bytes of a log one request returns
+TELEMETRY_WAIT_S = 1.0  # how long /api/nodes waits for a node's telemetry (page polls at 1 s)
+STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript")}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("hypermesh.agent.ops").joinpath("static", name).read_bytes()
+
+
+class Dashboard:
+    """Request handlers; they read the agent's state and never change it."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    async def page(self, request: web.Request) -> web.Response:
+        name, kind = STATIC[request.path]
+        return web.Response(
+            body=_static(name), content_type=kind, headers={"Cache-Control": "no-cache"}
+        )
+
+    def _summaries(self, wids: list[str]) -> list[dict[str, Any]]:
+        """``status --json`` of these workflows, cost included, from the agent's view."""
+        view = self.agent.full_view()
+        pools = parse_pools(view.pools)
+        return [
+            view.workflow_summary(w)
+            | {"cost": usage_cost(view.workflow_usage.get(w, ({}, 0))[0], pools)}
+            for w in wids
+        ]
+
+    async def workflows(self, request: web.Request) -> web.Response:
+        view = self.agent.full_view()
+        ids = sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at, reverse=True)
+        return web.json_response(
+            {
+                "node": self.agent.cfg.name,
+                "leader": view.leader(),
+                "namespace": self.agent.ks.namespace,
+                "workflows": self._summaries(ids),
+            }
+        )
+
+    async def workflow(self, request: web.Request) -> web.Response:
+        view = self.agent.full_view()
+        wid = request.match_info["wid"]
+        wf = view.workflows.get(wid)
+        if wf is None:
+            raise _error(web.HTTPNotFound, f"no workflow {wid!r}")
+        dag = []
+        for exp in wf.recipe.experiments:
+            control = view.control(wid, exp.name)
+            dag.append(
+                {
+                    "name": exp.name,
+                    "after": list(exp.after),
+                    "workers": view.workers(wid, exp),
+                    "cancelled": control.cancelled,
+                    "extra_samples": control.extra_samples,
+                }
+            )
+        return web.json_response(
+            {
+                "status": self._summaries([wid])[0],
+                "dag": dag,
+                "tasks": [view.task_json(ref) for ref in view.task_refs(wid)],
+            }
+        )
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        a = self.agent
+        view = a.full_view()
+        rows = node_rows(view, gossip_table(a.gossip.members()), a.cfg.name, True)
+        telemetry = await self._telemetry([r["name"] for r in rows if r["address"]])
+        for row in rows:
+            node = view.nodes.get(row["name"])
+            row["http"] = node.http_address if node else None
+            t = telemetry.get(row["name"])
+            row["telemetry"] = t["latest"] if t else None
+            row["nvml"] = t["nvml"] if t else None
+            row["task_usage"] = t["tasks"] if t else []
+            row["caches"] = t["caches"] if t else []
+        return web.json_response({"node": a.cfg.name, "nodes": rows})
+
+    async def _telemetry(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
+        """Each live node's telemetry: this node's from memory, the others' over gRPC
+        on the agent's gossip channels, all at once, each within ``TELEMETRY_WAIT_S``."""
+        a = self.agent
+        peers = {
+            n: a.view.nodes[n].address for n in names if n != a.cfg.name and n in a.view.nodes
+        }
+        out = await fetch_telemetry(peers, 0, TELEMETRY_WAIT_S, a.gossip.channel)
+        if a.cfg.name in names:
+            out[a.cfg.name] = message_json(
+                a.telemetry.message(a.cfg.name, 0, a.metrics_address, a.gossip.caches)
+            )
+        return out
+
+    async def logs(self, request: web.Request) -> web.Response:
+        try:
+            ref = TaskRef.parse(request.match_info["task"])
+            attempt = int(request.query.get("attempt", "0"))
+            offset = max(0, int(request.query.get("offset", "0")))
+        except ValueError as exc:
+            raise _error(web.HTTPBadRequest, str(exc)) from exc
+        a = self.agent
+        attempts = a.full_view().attempts.get(ref, {})
+        n = attempt or (max(attempts) if attempts else 0)
+        chunks: list[bytes] = []
+        notes: list[str] = []
+        size = 0
+        try:
+            async for data in stream_log(
+                a.etcd, a.ks, ref, n, False, a.cfg.store, notes.append, offset
+            ):
+                chunks.append(data)
+                size += len(data)
+                if size >= LOG_PAGE:
+                    break
+        except NotFound as exc:
+            raise _error(web.HTTPNotFound, str(exc)) from exc
+        except HypermeshError as exc:
+            raise _error(web.HTTPBadGateway, str(exc)) from exc
+        data = b"".join(chunks)[:LOG_PAGE]
+        record = attempts.get(n)
+        return web.json_response(
+            {
+                "task": ref.id,
+                "attempt": n,
+                "offset": offset + len(data),
+                "text": data.decode("utf-8", errors="replace"),
+                "running": record is not None and record.state == "running",
+                "note": "; ".join(notes),
+            }
+        )
+
+
+def _error(kind: type[web.HTTPError], message: str) -> web.HTTPError:
+    return kind(text=json.dumps({"error": message}), content_type="application/json")
+
+
+def make_app(agent: Agent) -> web.Application:
+    d = Dashboard(agent)
+    app = web.Application()
+    for path in STATIC:
+        app.router.add_get(path, d.page)
+    app.router.add_get("/api/workflows", d.workflows)
+    app.router.add_get("/api/workflows/{wid}", d.workflow)
+    app.router.add_get("/api/nodes", d.nodes)
+    app.router.add_get("/api/logs/{task}", d.logs)
+    return app
+
+
+async def serve(agent: Agent, sock: socket.socket) -> web.AppRunner:
+    """Serve the dashboard on the bound ``sock``; ``cleanup()`` of the runner stops it."""
+    runner = web.AppRunner(make_app(agent), access_log=None)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner

@@ -1,0 +1,1 @@
+"""Peer chunk sharing: which node caches which chunk, advertised by gossip and served over gRPC."""

@@ -1,0 +1,291 @@
+"""Holding blocks of batched experiments (``hypermesh.state.blocks``) on one agent.
+
+A held block is a queue of task indices this node runs in its own free slots, and
+the attempt records and results not yet written. ``BlockDuty`` chooses and claims a
+new block when the node has free slots and its blocks have nothing left to start,
+starts indices through the agent's normal attempt path, and flushes what ended
+every ``FLUSH_S`` (or sooner when much is waiting), one fenced transaction per
+block. A block is released (its claim deleted in its last flush) when every task has
+its result, or when the node drains or the experiment is cancelled; a block whose
+fence fails is dropped at once: its claim is gone, so a peer may be running it.
+
+Starts are recorded in the next flush, not before the process starts: if the node
+dies within one flush period of a start, that attempt leaves no record (its task
+still runs again elsewhere); every attempt that was recorded running is closed as
+``node-lost`` by the next holder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hypermesh.agent.claims.choose import allowed_on
+
+from hypermesh.errors import EtcdUnavailable
+from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
+from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
+from hypermesh.state.keyspace import BlockRef, TaskRef
+from hypermesh.state.model import COUNTED_REASONS, TERMINAL, MeshView, NodeRecord
+
+if TYPE_CHECKING:
+    from hypermesh.agent.daemon import Agent
+
+log = logging.getLogger(__name__)
+
+FLUSH_S = 0.05
+"""How long ended attempts wait to share a flush (seconds)."""
+
+FLUSH_AT = 64
+"""Records waiting that make a flush start at once."""
+
+
+@dataclass
+class HeldBlock:
+    """A block this node holds: what is left to start, runs, and is not yet written."""
+
+    ref: BlockRef
+    fence: int  # the claim's create revision
+    retries: int
+    todo: deque[int]
+    attempts: dict[int, int]  # index -> the last attempt number used
+    failures: dict[int, int]  # index -> counted failures since the last retry
+    running: set[int] = field(default_factory=set)
+    unfinished: set[int] = field(default_factory=set)  # no final result yet
+    pending: dict[tuple[int, int], AttemptEntry] = field(default_factory=dict)
+    results: list[ResultEntry] = field(default_factory=list)
+    releasing: bool = False  # start nothing more; give the block back once idle
+
+    @property
+    def complete(self) -> bool:
+        return not self.unfinished
+
+    @property
+    def may_release(self) -> bool:
+        return (self.complete or self.releasing) and not self.running
+
+
+def choose_block(
+    view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None
+) -> BlockRef | None:
+    """A block this node may claim: nobody holds it and it has a task without a result
+    or claim. Oldest workflow first, experiments in dependency order, blocks in order;
+    among the first few (one per live node), a random one, so that agents racing for
+    the same experiment rarely collide."""
+    spread = max(1, len(view.nodes)) if rng is not None else 1
+    for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
+        if view.workflow_state(wf.id) in TERMINAL:
+            continue
+        for name in wf.recipe.topological_order():
+            if (wf.id, name) not in view.expanded or not view.batched(wf.id, name):
+                continue
+            if view.experiment_cancelled(wf.id, name):
+                continue
+            if not allowed_on(wf.recipe.experiment(name), node):
+                continue
+            candidates: list[BlockRef] = []
+            for first in view.block_firsts(wf.id, name):
+                bref = BlockRef(wf.id, name, first)
+                if bref not in view.block_claims and bref not in held and (
+                    view.block_unfinished(bref) > 0
+                ):
+                    candidates.append(bref)
+                    if len(candidates) >= spread:
+                        break
+            if candidates:
+                return rng.choice(candidates) if rng is not None else candidates[0]
+    return None
+
+
+class BlockDuty:
+    """The blocks one agent holds. Runs on the agent's event loop."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.held: dict[BlockRef, HeldBlock] = {}
+        self._seq = 0
+        self._flush_now = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ claiming
+    def wants_block(self) -> bool:
+        """Whether this node should look for another block: none it holds has a task
+        left to start."""
+        return not any(b.todo for b in self.held.values())
+
+    def batch_key(self, bref: BlockRef) -> str:
+        self._seq += 1
+        return self.agent.ks.block_batch(bref, self.agent.lease, self._seq)
+
+    async def claim(self, bref: BlockRef) -> HeldBlock | None:
+        """Claim ``bref`` (closing attempts its last holder left running as lost)."""
+        agent, view = self.agent, self.agent.view
+        view.settle(bref)  # every outcome recorded so far, and the attempts left running
+        exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
+        size = view.blocks[(bref.workflow, bref.experiment)][bref.first]
+        attempts: dict[int, int] = {}
+        failures: dict[int, int] = {}
+        left: list[tuple[int, int, str, float | None]] = []
+        todo: deque[int] = deque()
+        for offset in range(size):
+            ref = bref.task(offset)
+            known = view.attempts.get(ref, {})
+            last = known[max(known)] if known else None
+            attempts[ref.index] = last.attempt if last else 0
+            failures[ref.index] = view.counted_failures(ref)
+            if last is not None and last.state == "running":
+                left.append((ref.index, last.attempt, last.node, last.started_at))
+            if ref not in view.results:
+                todo.append(ref.index)
+        if not todo:
+            return None
+        try:
+            fence = await claim_block(
+                agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
+                self.batch_key(bref), lost_entries(left, time.time()),
+            )
+        except EtcdUnavailable:
+            agent.unsure.block(bref)  # written or not: read back when etcd is back
+            raise
+        if fence is None:
+            return None
+        agent.written_revision = max(agent.written_revision, fence)
+        block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
+                          unfinished=set(todo))
+        self.held[bref] = block
+        lost = f"; {len(left)} attempts of its last holder lost" if left else ""
+        agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
+        return block
+
+    def next_start(self) -> tuple[HeldBlock, TaskRef, int, float] | None:
+        """The next task to start in a free slot, its attempt number and start time."""
+        for block in self.held.values():
+            if block.releasing:
+                continue
+            if self.agent.view.workflow_state(block.ref.workflow) in TERMINAL or (
+                self.agent.view.experiment_cancelled(block.ref.workflow, block.ref.experiment)
+            ):
+                self.release(block)
+                continue
+            if block.todo:
+                index = block.todo.popleft()
+                block.attempts[index] += 1
+                n = block.attempts[index]
+                block.running.add(index)
+                now = time.time()
+                block.pending[(index, n)] = AttemptEntry(index, n, "running", started_at=now)
+                self._kick(len(block.pending))
+                return block, TaskRef(block.ref.workflow, block.ref.experiment, index), n, now
+        return None
+
+    # ------------------------------------------------------------------ ending
+    def ended(
+        self, bref: BlockRef, fence: int, index: int, n: int, state: str, exit_code: int | None,
+        reason: str, started_at: float, ended_at: float,
+    ) -> str | None:
+        """Record an attempt's end; the task's final state, or None if it runs again (or
+        the block is no longer held here, in which case nothing is recorded)."""
+        block = self.held.get(bref)
+        if block is None or block.fence != fence:
+            return None
+        block.running.discard(index)
+        final: str | None = state
+        if state == "failed":
+            if reason in COUNTED_REASONS:
+                block.failures[index] += 1
+                final = "failed" if block.failures[index] > block.retries else None
+            else:
+                final = None  # preempted or lost: runs again, not counted
+        block.pending[(index, n)] = AttemptEntry(index, n, state, exit_code, reason,
+                                                 started_at, ended_at)
+        if final is not None:
+            block.unfinished.discard(index)
+            block.results.append(ResultEntry(index, final, n, exit_code, ended_at))
+        elif not block.releasing:
+            block.todo.append(index)
+        self._kick(len(block.pending) + len(block.results), urgent=block.may_release)
+        return final
+
+    def release(self, block: HeldBlock) -> None:
+        """Start nothing more of ``block``; it is given back once its attempts ended."""
+        if not block.releasing:
+            block.releasing = True
+            block.todo.clear()
+            self._kick(0, urgent=True)
+
+    def release_all(self) -> None:
+        for block in list(self.held.values()):
+            self.release(block)
+
+    def drop_all(self) -> None:
+        """The lease is gone: every claim with it; nothing held can be written."""
+        self.held.clear()
+
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    # ------------------------------------------------------------------ flushing
+    def _kick(self, waiting: int, urgent: bool = False) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_loop(), name="block flushes")
+        if urgent or waiting >= FLUSH_AT:
+            self._flush_now.set()
+
+    async def _flush_loop(self) -> None:
+        while self.held:
+            if not any(b.pending or b.results or b.may_release for b in self.held.values()):
+                self._flush_now.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self._flush_now.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_S):
+                    await self._flush_now.wait()
+            self._flush_now.clear()
+            for block in list(self.held.values()):
+                if block.pending or block.results or block.may_release:
+                    await self._flush(block)
+
+    async def _flush(self, block: HeldBlock) -> None:
+        agent = self.agent
+        flushed = dict(block.pending)
+        results = tuple(block.results)
+        release = block.may_release
+        batch = Batch(agent.cfg.name, tuple(flushed.values()), results)
+        delay = 0.1
+        while True:
+            try:
+                written = await flush_block(agent.etcd, agent.ks, block.ref, block.fence,
+                                           self.batch_key(block.ref), batch, release)
+                break
+            except EtcdUnavailable as exc:
+                if agent.lease_is_lost() or not agent.lease_fresh():
+                    return
+                log.warning("flushing block %s: %s", block.ref, exc)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+        if self.held.get(block.ref) is not block:
+            return  # dropped meanwhile (the lease was lost)
+        if written is None:
+            self.held.pop(block.ref, None)
+            agent.decide(f"block {block.ref}: claim no longer ours; its results rejected")
+            agent.stop_block(block.ref, [block.ref.task(i - block.ref.first)
+                                         for i in block.running])
+            return
+        agent.written_revision = max(agent.written_revision, written)
+        for key, entry in flushed.items():
+            if block.pending.get(key) is entry:  # not replaced by a later record meanwhile
+                del block.pending[key]
+        del block.results[: len(results)]
+        if release:
+            self.held.pop(block.ref, None)
+            done = "done" if block.complete else "released"
+            agent.decide(f"block {block.ref} {done}")
+            agent.wake()

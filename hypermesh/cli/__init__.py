@@ -1,0 +1,1 @@
+"""The ``hypermesh`` command line."""

@@ -1,0 +1,1 @@
+"""Servers on this machine for the local mesh, tests and benchmarks: etcd, agents, an S3 server."""

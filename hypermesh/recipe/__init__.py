@@ -1,0 +1,4 @@
+"""The recipe language.
+
+YAML parsed into frozen dataclasses, parameters sampled, commands templated.
+"""

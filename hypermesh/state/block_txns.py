@@ -1,0 +1,78 @@
+"""The etcd transactions of batched experiments (``hypermesh.state.blocks``).
+
+- ``claim_block``: take a block nobody holds, provided no batch of it was written
+  since the claimer's view (so the claimer knows every recorded outcome), and record
+  the attempts the last holder left running as lost, in the same transaction.
+- ``flush_block``: write one batch of attempt records and results, fenced on the
+  claim's create revision; optionally release the claim in the same transaction.
+- ``claimable``: the compares of a claim, which ``hypermesh retry`` also uses to reopen
+  failed tasks of a block nobody holds (``hypermesh.state.live``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hypermesh.state.blocks import AttemptEntry, Batch
+from hypermesh.state.etcd import Etcd
+from hypermesh.state.keyspace import BlockRef, Keyspace
+from hypermesh.state.model import dumps
+
+
+def lost_entries(
+    running: Sequence[tuple[int, int, str, float | None]], now: float
+) -> list[AttemptEntry]:
+    """Records closing attempts (index, attempt, node, started_at) left running."""
+    return [
+        AttemptEntry(index, attempt, "failed", None, "node-lost", started_at, now, node)
+        for index, attempt, node, started_at in running
+    ]
+
+
+def claimable(etcd: Etcd, ks: Keyspace, bref: BlockRef, seen_revision: int) -> list[Any]:
+    """Nobody holds ``bref`` and no batch of it was written since ``seen_revision``."""
+    return [
+        etcd.absent(ks.block_claim(bref)),
+        etcd.none_created_since(ks.block_batches(bref), seen_revision),
+    ]
+
+
+async def claim_block(
+    etcd: Etcd,
+    ks: Keyspace,
+    bref: BlockRef,
+    node: str,
+    lease: int,
+    seen_revision: int,
+    batch_key: str,
+    lost: Sequence[AttemptEntry] = (),
+) -> int | None:
+    """Claim ``bref`` for ``node``; the claim's create revision (the fence of every later
+    batch), or None when someone holds it or wrote a batch the view has not seen."""
+    compare = claimable(etcd, ks, bref, seen_revision)
+    claim = {"node": node, "lease": lease, "started_at": time.time()}
+    ops = [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)]
+    if lost:
+        ops.append(etcd.op_put(batch_key, dumps(Batch(node, tuple(lost)).to_json())))
+    done = await etcd.txn(compare, ops)
+    return done.revision if done.succeeded else None
+
+
+async def flush_block(
+    etcd: Etcd,
+    ks: Keyspace,
+    bref: BlockRef,
+    fence: int,
+    batch_key: str,
+    batch: Batch,
+    release: bool = False,
+) -> int | None:
+    """Write ``batch`` while the claim made at revision ``fence`` is still in place
+    (and with ``release``, delete the claim); the revision, or None if it is gone."""
+    ops = [etcd.op_put(batch_key, dumps(batch.to_json()))]
+    if release:
+        ops.append(etcd.op_delete(ks.block_claim(bref)))
+    done = await etcd.txn([etcd.created_at(ks.block_claim(bref), fence)], ops)
+    return done.revision if done.succeeded else None

@@ -1,0 +1,150 @@
+"""Batched experiments: tasks written, claimed and recorded in blocks.
+
+Per-task keys cost about six etcd changes per task, each delivered to every agent's
+mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
+An experiment that qualifies is therefore written as *blocks* of up to
+``MAX_BLOCK`` consecutive tasks (``block/`` keys). A node claims a whole block
+(``bclaim/``, on its lease) in one transaction, runs its tasks in its own slots,
+and records their attempts and results in *batches* (``bdone/`` keys), each written
+by one transaction fenced on the claim's create revision, so a holder whose lease is
+gone writes nothing. The view (``hypermesh.state.model``) expands blocks and batches into
+the same per-task tables as per-task keys, so every reader sees tasks as before.
+
+The invariants are the per-task ones:
+
+- at most one success per task: a batch is written only while the claim it is
+  fenced on exists, and a block is claimed only while nobody holds it and no batch
+  was written since the claimer's view (a range compare), so a new holder knows
+  every outcome recorded before it;
+- nothing is lost: a dead holder's claim goes with its lease; the next holder runs
+  every task without a result, first recording the attempts the last holder left
+  ``running`` as lost (reason ``node-lost``);
+- retries: a failed attempt that counts is run again by the holder while the
+  experiment's ``retries`` allow.
+
+Pure: no I/O. The transactions are in ``hypermesh.state.block_txns``, the holder in
+``agent/tasks/blocks.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from hypermesh.recipe.recipe import Experiment
+
+MAX_BLOCK = 256
+"""Most tasks in one block (its value holds every task's parameters)."""
+
+TASKS_PER_SLOT = 4
+"""An automatic block is about 1/TASKS_PER_SLOT of the tasks per slot of the mesh, so
+that a block is a small share of the work and the last blocks still spread."""
+
+
+def why_not_batched(exp: Experiment) -> str | None:
+    """Why ``exp`` must keep per-task keys, or None when its tasks may run in blocks.
+
+    Blocks carry no per-task claims, so what needs one stays per task: gangs, a
+    ``workers`` cap (slot keys), GPUs (device bookings), data-locality placement,
+    pool preferences, and adaptive searches or pruning (trial by trial)."""
+    if exp.nodes > 1:
+        return "a gang ('nodes' above 1)"
+    if exp.workers is not None:
+        return "a 'workers' cap"
+    if exp.hardware.gpus or exp.hardware.gpu:
+        return "GPUs"
+    if exp.inputs:
+        return "'inputs' (placement by data locality)"
+    if exp.prefer_pools:
+        return "'prefer_pools'"
+    if exp.sampling == "tpe" or exp.pruning is not None:
+        return "an adaptive search or pruning"
+    return None
+
+
+def block_size(exp: Experiment, count: int, mesh_slots: int) -> int:
+    """Tasks per block for an experiment of ``count`` tasks on a mesh of ``mesh_slots``
+    slots: the recipe's ``batch`` if set, else about ``count / (4 * slots)``, at most
+    ``MAX_BLOCK``. 1 means per-task keys."""
+    if why_not_batched(exp) is not None:
+        return 1
+    if exp.batch is not None:
+        return exp.batch
+    return max(1, min(MAX_BLOCK, count // (TASKS_PER_SLOT * max(1, mesh_slots))))
+
+
+# ---------------------------------------------------------------- batch values
+class AttemptEntry(NamedTuple):
+    """One attempt record in a batch (a start, an end, or a lost attempt). ``node``
+    is where it ran when that is not the batch's writer (a lost attempt)."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose
+    attempt: int
+    state: str
+    exit_code: int | None = None
+    reason: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    node: str | None = None
+
+    def to_json(self) -> list[Any]:
+        row = [self.index, self.attempt, self.state, self.exit_code, self.reason,
+               self.started_at, self.ended_at]
+        return row if self.node is None else [*row, self.node]
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> AttemptEntry:
+        index, attempt, state, exit_code, reason, started_at, ended_at, *node = row
+        return cls(int(index), int(attempt), str(state), exit_code, reason, started_at,
+                   ended_at, str(node[0]) if node else None)
+
+
+class ResultEntry(NamedTuple):
+    """A task's final outcome in a batch."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, on purpose
+    state: str
+    attempt: int
+    exit_code: int | None
+    ended_at: float
+
+    def to_json(self) -> list[Any]:
+        return [self.index, self.state, self.attempt, self.exit_code, self.ended_at]
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> ResultEntry:
+        index, state, attempt, exit_code, ended_at = row
+        return cls(int(index), str(state), int(attempt), exit_code, float(ended_at))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One ``bdone/`` value: what a block's holder recorded in one transaction.
+
+    ``reopened`` are tasks ``hypermesh retry`` made runnable again: their result is
+    dropped and only attempts after ``retry_from`` count against ``retries``."""
+
+    node: str
+    attempts: tuple[AttemptEntry, ...] = ()
+    results: tuple[ResultEntry, ...] = ()
+    reopened: tuple[tuple[int, int], ...] = ()  # (index, retry_from)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self.node}
+        if self.attempts:
+            out["a"] = [a.to_json() for a in self.attempts]
+        if self.results:
+            out["r"] = [r.to_json() for r in self.results]
+        if self.reopened:
+            out["o"] = [list(pair) for pair in self.reopened]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Batch:
+        return cls(
+            node=str(data["node"]),
+            attempts=tuple(AttemptEntry.from_json(row) for row in data.get("a", ())),
+            results=tuple(ResultEntry.from_json(row) for row in data.get("r", ())),
+            reopened=tuple((int(i), int(f)) for i, f in data.get("o", ())),
+        )

@@ -1,0 +1,926 @@
+"""The data model and a local mirror of one mesh's etcd keyspace.
+
+``MeshView`` is fed key/value events (from a range read, then a watch) and
+answers questions about nodes, workflows and tasks. It does no I/O and reads no
+clock: the agent, the leader and the CLI all derive states through the same
+functions here, so ``hypermesh status`` and the scheduler never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple
+
+from hypermesh.errors import HypermeshError
+from hypermesh.recipe.recipe import Experiment, Recipe
+from hypermesh.recipe.sampling import planned_count
+from hypermesh.state.blocks import Batch
+from hypermesh.state.gangs import GangTable, waiting_reason
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.task_metrics import AttemptMetrics
+
+log = logging.getLogger(__name__)
+
+State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+# Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
+# ``pruned``: the search stopped a trial early; its attempt and task end succeeded.
+REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned")
+# Failures that count against an experiment's retries (a lost or preempted node does not).
+COUNTED_REASONS = frozenset({"exit", "timeout", "data"})
+
+
+def dumps(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A registered node, as it registered itself (its key lives on its lease)."""
+
+    name: str
+    address: str
+    pool: str = "default"
+    spot: bool = False
+    slots: int = 1
+    gpus: int = 0
+    gpu_type: str = ""
+    cpus: float = 1.0
+    memory: int = 0
+    labels: dict[str, str] = field(default_factory=dict)
+    state: str = "alive"
+    started_at: float = 0.0
+    lease: int = 0
+    metrics: str = ""
+    """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
+    http_address: str = ""  # the node's web dashboard, if it serves one
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeRecord:
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class WorkflowRecord:
+    """A submitted workflow: the parsed recipe plus what submit fixed (id, seed, workdir)."""
+
+    id: str
+    name: str
+    recipe: Recipe
+    seed: int
+    submitted_at: float
+    workdir: str
+    source: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "recipe": self.recipe.to_json(),
+            "seed": self.seed,
+            "submitted_at": self.submitted_at,
+            "workdir": self.workdir,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkflowRecord:
+        return cls(
+            id=data["id"],
+            name=data["name"],
+            recipe=Recipe.from_json(data["recipe"]),
+            seed=int(data["seed"]),
+            submitted_at=float(data["submitted_at"]),
+            workdir=data.get("workdir", ""),
+            source=data.get("source", ""),
+        )
+
+
+class Claim(NamedTuple):
+    """A node's claim on a task for one attempt; ``revision`` fences later writes."""
+
+    node: str
+    attempt: int
+    slot: int | None
+    lease: int
+    started_at: float
+    revision: int = 0
+
+
+class Attempt(NamedTuple):
+    """One try at running a task. ``state`` is running until the attempt ends."""
+
+    attempt: int
+    node: str
+    state: str
+    exit_code: int | None = None
+    reason: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "node": self.node,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+        }
+
+
+class Result(NamedTuple):
+    """A task's one final outcome."""
+
+    state: str
+    attempt: int
+    exit_code: int | None
+    ended_at: float
+
+
+@dataclass(frozen=True)
+class ExperimentControl:
+    """Live changes to one experiment of a submitted workflow (``expctl/`` key).
+
+    ``workers_set`` tells a changed cap apart from the recipe's: with it,
+    ``workers`` replaces the recipe's value (None = no cap, 0 = start nothing new).
+    ``extra_samples`` are tasks added on top of the recipe's count. ``revision``
+    is the key's mod revision, which writers compare to change it.
+    """
+
+    cancelled: bool = False
+    workers_set: bool = False
+    workers: int | None = None
+    extra_samples: int = 0
+    revision: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"cancelled": self.cancelled, "extra_samples": self.extra_samples}
+        if self.workers_set:
+            out["workers"] = self.workers
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], revision: int = 0) -> ExperimentControl:
+        workers = data.get("workers")
+        if workers is not None and (not isinstance(workers, int) or workers < 0):
+            raise TypeError(f"workers must be a non-negative integer or null, not {workers!r}")
+        return cls(
+            cancelled=bool(data.get("cancelled", False)),
+            workers_set="workers" in data,
+            workers=workers,
+            extra_samples=int(data.get("extra_samples", 0)),
+            revision=revision,
+        )
+
+
+@dataclass
+class ExperimentSummary:
+    state: str
+    total: int
+    pending: int = 0
+    running: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "total": self.total,
+            "pending": self.pending,
+            "running": self.running,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "cancelled": self.cancelled,
+        }
+
+
+def _decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The task indices a ``bdone`` value decides (results) and reopens."""
+    return [int(row[0]) for row in batch.get("r", ())], [int(row[0]) for row in batch.get("o", ())]
+
+
+def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
+class MeshView:
+    """An in-memory mirror of a namespace, kept current by ``apply``.
+
+    Only the owner of the view (one agent task, or the CLI) calls ``apply``;
+    everything else reads. ``revision`` is the etcd revision the view reflects.
+    """
+
+    def __init__(self, keyspace: Keyspace) -> None:
+        self.ks = keyspace
+        self.revision = 0
+        self.nodes: dict[str, NodeRecord] = {}
+        self.candidates: dict[str, tuple[int, str]] = {}  # key -> (create_revision, node)
+        self.workflows: dict[str, WorkflowRecord] = {}
+        self.workflow_states: dict[str, str] = {}
+        self.workflow_state_revisions: dict[str, int] = {}
+        self.controls: dict[tuple[str, str], ExperimentControl] = {}
+        self.expanded: dict[tuple[str, str], int] = {}
+        self.tasks: dict[TaskRef, dict[str, Any]] = {}
+        self.claims: dict[TaskRef, Claim] = {}
+        self.attempts: dict[TaskRef, dict[int, Attempt]] = defaultdict(dict)
+        self.results: dict[TaskRef, Result] = {}
+        self.slots: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.metrics: dict[TaskRef, dict[int, AttemptMetrics]] = defaultdict(dict)
+        # Tasks with neither a claim nor a result, per (workflow, experiment).
+        self.open: dict[tuple[str, str], set[int]] = defaultdict(set)
+        # Known tasks per (workflow, experiment) by raw state: open, running, or
+        # their result's state. Kept incrementally so summaries cost O(1).
+        self.counts: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+        # What the leader last published of each workflow (``progress/<wid>``): the
+        # ``workflow_summary`` of its view then, followed by ``submit --wait``.
+        self.progress: dict[str, dict[str, Any]] = {}
+        # Bursting (raw JSON and mod revision, read by agent/burst/duty.py and the CLI):
+        # pool declarations, provisioned nodes, node-seconds per pool and workflow.
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+        # Provisioned nodes this view saw registered, even if gone again since: a spot
+        # node preempted within seconds of booting was up, not still booting.
+        self.booted: set[str] = set()
+        self.usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
+        # Batched experiments (hypermesh/state/blocks.py), expanded into the tables above: a
+        # block's tasks into ``tasks``, a batch's records into ``attempts`` and
+        # ``results``, and the running attempts of a held block into ``claims`` (a
+        # Claim whose revision is the block claim's create revision, the fence).
+        self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
+        self.block_claims: dict[BlockRef, Claim] = {}
+        self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
+        # Per block, bdone key -> (revision, its value): parsed again only to undo it.
+        self._batches: dict[BlockRef, dict[str, tuple[int, Any]]] = defaultdict(dict)
+        self._result_revisions: dict[TaskRef, int] = {}  # batch revision of a block result
+        self._reopened: dict[TaskRef, tuple[int, int]] = {}  # (revision, retry_from)
+        self.block_open: Counter[BlockRef] = Counter()  # open tasks per block
+        self._block_of: dict[TaskRef, BlockRef] = {}
+        self._firsts: dict[tuple[str, str], list[int]] = {}  # sorted, cached
+        # Deferred batches (``defer_batches``): a non-leading agent only needs what a
+        # batch says in detail about a block it is about to claim, so batches wait
+        # here, per block and in arrival order, until ``settle``. What every view keeps
+        # up to date is cheap: per block, the revision of each task's last result and
+        # last reopening, and how many tasks are decided (``block_unfinished``).
+        self.defer_batches = False
+        self._deferred: dict[BlockRef, list[tuple[str, int, dict[str, Any]]]] = {}
+        self._result_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
+        self._reopened_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
+        self._decided: Counter[BlockRef] = Counter()
+
+    # ------------------------------------------------------------------ feeding
+    def reset(self) -> None:
+        """Forget everything (before a full reload after a compacted watch) but whether
+        batches are deferred."""
+        defer = self.defer_batches
+        self.__init__(self.ks)  # type: ignore[misc]
+        self.defer_batches = defer
+
+    def apply(
+        self, key: str, value: bytes | None, create_revision: int = 0, mod_revision: int = 0
+    ) -> None:
+        """Apply one put (``value`` set) or delete (``value`` None) of ``key``."""
+        self.revision = max(self.revision, mod_revision)
+        split = self.ks.split(key)
+        if split is None:
+            return
+        kind, parts = split
+        handler = getattr(self, f"_apply_{kind}", None)
+        if handler is None:
+            return
+        try:
+            data: dict[str, Any] | None = json.loads(value) if value else None
+            if data is not None and not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
+            handler(parts, data, create_revision, mod_revision)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, HypermeshError) as exc:
+            # A malformed key must not stop the mirror; it is skipped and reported.
+            log.warning("ignoring malformed key %s: %s", key, exc)
+
+    def _apply_node(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.nodes.pop(parts[0], None)
+        else:
+            self.nodes[parts[0]] = NodeRecord.from_json(data)
+            if parts[0] in self.instances:
+                self.booted.add(parts[0])
+
+    def _apply_elect(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.candidates.pop(parts[0], None)
+        else:
+            self.candidates[parts[0]] = (crev, data["node"])
+
+    def _apply_wf(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.workflows.pop(parts[0], None)
+        else:
+            self.workflows[parts[0]] = WorkflowRecord.from_json(data)
+
+    def _apply_wfstate(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.workflow_states.pop(parts[0], None)
+            self.workflow_state_revisions.pop(parts[0], None)
+        else:
+            self.workflow_states[parts[0]] = data["state"]
+            self.workflow_state_revisions[parts[0]] = mrev
+
+    def _apply_progress(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.progress.pop(parts[0], None)
+        else:
+            if not isinstance(data.get("experiments"), dict) or "state" not in data:
+                raise TypeError("a progress record needs state and experiments")
+            self.progress[parts[0]] = data
+
+    def _apply_expctl(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.controls.pop((parts[0], parts[1]), None)
+        else:
+            self.controls[(parts[0], parts[1])] = ExperimentControl.from_json(data, mrev)
+
+    def _apply_expanded(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.expanded.pop((parts[0], parts[1]), None)
+        else:
+            self.expanded[(parts[0], parts[1])] = int(data["count"])
+
+    def _apply_pool(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.pools, parts[0], data)
+
+    def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.instances, parts[0], data)
+        if data is None:
+            self.booted.discard(parts[0])
+        elif parts[0] in self.nodes:
+            self.booted.add(parts[0])
+
+    def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
+
+    def _apply_wfusage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.workflow_usage, parts[0], None if data is None else (data, mrev))
+
+    def _ref(self, parts: list[str]) -> TaskRef:
+        return TaskRef(parts[0], parts[1], int(parts[2]))
+
+    def _raw_state(self, ref: TaskRef) -> str | None:
+        if ref not in self.tasks:
+            return None
+        result = self.results.get(ref)
+        if result is not None:
+            return result.state
+        return "running" if ref in self.claims else "open"
+
+    def _refresh_open(self, ref: TaskRef, before: str | None) -> None:
+        after = self._raw_state(ref)
+        if before == after:
+            return  # the tables already agree with this state
+        key = (ref.workflow, ref.experiment)
+        if after == "open":
+            self.open[key].add(ref.index)
+        else:
+            self.open[key].discard(ref.index)
+        if (before == "open" or after == "open") and ref in self._block_of:
+            self.block_open[self._block_of[ref]] += 1 if after == "open" else -1
+        if before is not None:
+            self.counts[key][before] -= 1
+        if after is not None:
+            self.counts[key][after] += 1
+
+    def _apply_task(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        before = self._raw_state(ref)
+        if data is None:
+            self.tasks.pop(ref, None)
+        else:
+            if not isinstance(data.get("params", {}), dict):
+                raise TypeError("task params must be an object")
+            self.tasks[ref] = data
+        self._refresh_open(ref, before)
+
+    def _apply_claim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        before = self._raw_state(ref)
+        if data is None:
+            self.claims.pop(ref, None)
+        else:
+            self.claims[ref] = Claim(
+                node=data["node"],
+                attempt=int(data["attempt"]),
+                slot=data.get("slot"),
+                lease=int(data.get("lease", 0)),
+                started_at=float(data.get("started_at", 0.0)),
+                revision=mrev,
+            )
+        self._refresh_open(ref, before)
+
+    def _apply_attempt(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref, n = self._ref(parts), int(parts[3])
+        if data is None:
+            self.attempts[ref].pop(n, None)
+        else:
+            self.attempts[ref][n] = Attempt(
+                attempt=int(data["attempt"]),
+                node=str(data["node"]),
+                state=str(data["state"]),
+                exit_code=data.get("exit_code"),
+                reason=data.get("reason"),
+                started_at=data.get("started_at"),
+                ended_at=data.get("ended_at"),
+                revision=mrev,
+            )
+
+    def _apply_result(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref = self._ref(parts)
+        before = self._raw_state(ref)
+        if data is None:
+            self.results.pop(ref, None)
+        else:
+            self.results[ref] = Result(
+                state=data["state"],
+                attempt=int(data["attempt"]),
+                exit_code=data.get("exit_code"),
+                ended_at=float(data.get("ended_at", 0.0)),
+            )
+        self._refresh_open(ref, before)
+
+    # ------------------------------------------------------------------ blocks
+    def _apply_block(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        sizes = self.blocks[(bref.workflow, bref.experiment)]
+        self._firsts.pop((bref.workflow, bref.experiment), None)
+        if data is None:
+            size = sizes.pop(bref.first, 0)
+            for offset in range(size):
+                ref = bref.task(offset)
+                before = self._raw_state(ref)
+                self.tasks.pop(ref, None)
+                self._refresh_open(ref, before)
+                self._block_of.pop(ref, None)
+            self.block_open.pop(bref, None)
+            self._deferred.pop(bref, None)
+            for table in (self._result_at, self._reopened_at, self._decided):
+                table.pop(bref, None)
+            return
+        params = data["params"]
+        if not isinstance(params, list) or not all(isinstance(p, dict) for p in params):
+            raise TypeError("block params must be a list of objects")
+        sizes[bref.first] = len(params)
+        for offset, p in enumerate(params):
+            ref = bref.task(offset)
+            before = self._raw_state(ref)
+            self.tasks[ref] = {"params": p}
+            self._block_of[ref] = bref
+            self._refresh_open(ref, before)
+
+    def _apply_bclaim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        if data is None:
+            self.block_claims.pop(bref, None)
+        else:
+            self.block_claims[bref] = Claim(
+                node=str(data["node"]),
+                attempt=0,
+                slot=None,
+                lease=int(data.get("lease", 0)),
+                started_at=float(data.get("started_at", 0.0)),
+                revision=crev,
+            )
+        if bref in self._deferred:
+            return  # its tasks' claims are worked out when its batches are applied
+        self._refresh_block_claims(bref)
+
+    def _refresh_block_claims(self, bref: BlockRef) -> None:
+        """Show the block's running attempts as claims of its holder (or of no one)."""
+        holder = self.block_claims.get(bref)
+        for index in list(self._block_indices.get(bref, ())):
+            ref = TaskRef(bref.workflow, bref.experiment, index)
+            if ref in self.results and ref not in self.claims:
+                continue  # decided and not shown running: no holder changes that
+            self._refresh_block_task(ref, holder, self._raw_state(ref))
+
+    def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        key = "/".join(parts)
+        if data is None:
+            deferred = self._deferred.get(bref, [])
+            kept = [entry for entry in deferred if entry[0] != key]
+            if len(kept) == len(deferred):
+                self._undo_batch(bref, key)
+            elif kept:
+                self._deferred[bref] = kept  # never applied: nothing to undo
+            else:
+                del self._deferred[bref]
+                self._refresh_block_claims(bref)
+            self._recount_decisions(bref)
+            return
+        results, reopened = _decision_rows(data)
+        if self.defer_batches:
+            self._deferred.setdefault(bref, []).append((key, mrev, data))
+        else:
+            if bref in self._deferred:
+                self.settle(bref)
+            self._expand_batch(bref, key, data, mrev)
+        self._note_decisions(bref, mrev, results, reopened)
+
+    def _note_decisions(
+        self, bref: BlockRef, mrev: int, results: list[int], reopened: list[int]
+    ) -> None:
+        """Count the block's decided tasks: those whose last result is newer than their
+        last reopening (batches may arrive in key order, not revision order)."""
+        result_at, reopened_at = self._result_at[bref], self._reopened_at[bref]
+        for indices, table in ((reopened, reopened_at), (results, result_at)):
+            for index in indices:
+                was = result_at.get(index, 0) > reopened_at.get(index, 0)
+                if table.get(index, 0) < mrev:
+                    table[index] = mrev
+                now = result_at.get(index, 0) > reopened_at.get(index, 0)
+                self._decided[bref] += now - was
+
+    def block_unfinished(self, bref: BlockRef) -> int:
+        """Tasks of the block without a result (deferred batches included)."""
+        size = self.blocks.get((bref.workflow, bref.experiment), {}).get(bref.first, 0)
+        return size - self._decided[bref]
+
+    def settle(self, bref: BlockRef | None = None) -> None:
+        """Apply the deferred batches (of ``bref``, or of every block), so that the
+        per-task tables are complete."""
+        for b in [bref] if bref is not None else list(self._deferred):
+            for key, mrev, data in self._deferred.pop(b, []):
+                try:
+                    self._expand_batch(b, key, data, mrev)
+                except (ValueError, KeyError, TypeError, IndexError) as exc:
+                    log.warning("ignoring malformed key %s: %s", key, exc)
+            self._refresh_block_claims(b)
+
+    def set_defer_batches(self, defer: bool) -> None:
+        """Defer batches from now on (a node that does not lead), or apply them as they
+        come, after applying those deferred so far (the leader, the CLI)."""
+        self.defer_batches = defer
+        if not defer:
+            self.settle()
+
+    def _undo_batch(self, bref: BlockRef, key: str) -> None:
+        """The workflow was deleted: undo what the batch ``key`` recorded."""
+        touched: set[TaskRef] = set()
+        applied = self._batches.get(bref, {})
+        revision, raw = applied.pop(key, (0, {"node": ""}))
+        if not applied:
+            self._batches.pop(bref, None)
+        batch = Batch.from_json(raw)
+        for a in batch.attempts:
+            ref = TaskRef(bref.workflow, bref.experiment, a.index)
+            mine = self.attempts.get(ref, {}).get(a.attempt)
+            if mine is not None and mine.revision == revision:
+                self.attempts[ref].pop(a.attempt, None)
+            touched.add(ref)
+        for r in batch.results:
+            ref = TaskRef(bref.workflow, bref.experiment, r.index)
+            if self._result_revisions.get(ref) == revision:
+                before = self._raw_state(ref)
+                self.results.pop(ref, None)
+                self._result_revisions.pop(ref, None)
+                self._refresh_open(ref, before)
+                touched.add(ref)
+        holder = self.block_claims.get(bref)
+        for ref in touched:
+            self._refresh_block_task(ref, holder, self._raw_state(ref))
+
+    def _recount_decisions(self, bref: BlockRef) -> None:
+        """Count the block's decided tasks again from the batches left (one was deleted)."""
+        for table in (self._result_at, self._reopened_at, self._decided):
+            table.pop(bref, None)
+        left = list(self._batches.get(bref, {}).values())
+        left += [(rev, data) for _, rev, data in self._deferred.get(bref, [])]
+        for rev, data in left:
+            self._note_decisions(bref, rev, *_decision_rows(data))
+
+    def _expand_batch(self, bref: BlockRef, key: str, data: dict[str, Any], mrev: int) -> None:
+        """Apply one batch to the per-task tables."""
+        # Rows straight from the value (the layouts of blocks.AttemptEntry/ResultEntry,
+        # without their objects: every agent applies every batch), all checked before
+        # any is applied, so a malformed value changes nothing.
+        writer = str(data["node"])
+        attempt_rows = [
+            (int(index), int(n), str(state), exit_code, reason, started_at, ended_at,
+             str(node[0]) if node else writer)
+            for index, n, state, exit_code, reason, started_at, ended_at, *node in data.get("a", ())
+        ]
+        result_rows = [
+            (int(index), str(state), int(n), exit_code, float(ended_at))
+            for index, state, n, exit_code, ended_at in data.get("r", ())
+        ]
+        reopened_rows = [(int(index), int(since)) for index, since in data.get("o", ())]
+        self._batches[bref][key] = (mrev, data)
+        wid, exp = bref.workflow, bref.experiment
+        # Each task's raw state before the batch, to count its change once at the end.
+        prior: dict[TaskRef, str | None] = {}
+        raw_state = self._raw_state
+        indices = self._block_indices[bref]
+        for index, n, state, exit_code, reason, started_at, ended_at, node in attempt_rows:
+            ref = TaskRef(wid, exp, index)
+            if ref not in prior:
+                prior[ref] = raw_state(ref)
+            known_attempts = self.attempts[ref]
+            known = known_attempts.get(n)
+            if known is None or known.revision <= mrev:
+                known_attempts[n] = Attempt(n, node, state, exit_code, reason, started_at,
+                                            ended_at, mrev)
+            indices.add(index)
+        for index, retry_from in reopened_rows:
+            ref = TaskRef(wid, exp, index)
+            if self._reopened.get(ref, (0, 0))[0] < mrev:
+                self._reopened[ref] = (mrev, retry_from)
+            if self._result_revisions.get(ref, mrev) < mrev:
+                if ref not in prior:
+                    prior[ref] = raw_state(ref)
+                self.results.pop(ref, None)
+                self._result_revisions.pop(ref, None)
+        reopened = self._reopened
+        for index, state, n, exit_code, ended_at in result_rows:
+            ref = TaskRef(wid, exp, index)
+            self._block_of.setdefault(ref, bref)
+            if reopened and reopened.get(ref, (0, 0))[0] > mrev:
+                continue  # reopened by a later retry
+            if ref not in prior:
+                prior[ref] = raw_state(ref)
+            self.results[ref] = Result(state, n, exit_code, ended_at)
+            self._result_revisions[ref] = mrev
+        holder = self.block_claims.get(bref)
+        for ref, was in prior.items():  # each task whose attempts or result changed
+            self._refresh_block_task(ref, holder, was)
+
+    def _refresh_block_task(self, ref: TaskRef, holder: Claim | None, before: str | None) -> None:
+        """Set the block task's claim from ``holder`` and count its change of state
+        from ``before``."""
+        self._set_block_claim(ref, holder)
+        self._refresh_open(ref, before)
+
+    def _set_block_claim(self, ref: TaskRef, holder: Claim | None) -> None:
+        """A block task runs while its newest attempt is running on the block's holder
+        (``holder``): then it has a claim in ``claims``, else none. Counts are left to
+        the caller (``_refresh_open``)."""
+        attempts = self.attempts.get(ref)
+        latest = attempts[max(attempts)] if attempts else None
+        if latest is not None and latest.state == "running" and holder is not None and (
+            holder.node == latest.node and ref not in self.results
+        ):
+            self.claims[ref] = Claim(latest.node, latest.attempt, None, holder.lease,
+                                     latest.started_at or holder.started_at, holder.revision)
+        else:
+            self.claims.pop(ref, None)
+
+    def batched(self, wid: str, experiment: str) -> bool:
+        """Whether the experiment's tasks were written in blocks."""
+        return bool(self.blocks.get((wid, experiment)))
+
+    def open_task_by_task(self) -> bool:
+        """Whether any experiment has open tasks that are claimed one by one (not in
+        blocks): when none has, a node with free slots has no per-task claim to try."""
+        return any(indices and not self.blocks.get(key) for key, indices in self.open.items())
+
+    def block_firsts(self, wid: str, experiment: str) -> list[int]:
+        """The first indices of the experiment's blocks, in order."""
+        key = (wid, experiment)
+        firsts = self._firsts.get(key)
+        if firsts is None:
+            firsts = self._firsts[key] = sorted(self.blocks.get(key, ()))
+        return firsts
+
+    def block_of(self, ref: TaskRef) -> BlockRef | None:
+        return self._block_of.get(ref)
+
+    def _apply_metrics(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        ref, n = self._ref(parts), int(parts[3])
+        if data is None:
+            self.metrics[ref].pop(n, None)
+        else:
+            self.metrics[ref][n] = AttemptMetrics.from_json(data)
+
+    def _apply_gang(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        self.gangs.apply(self._ref(parts), parts[3:], data, mrev)
+
+    def _apply_slot(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        bucket = self.slots[(parts[0], parts[1])]
+        if data is None:
+            bucket.discard(int(parts[2]))
+        else:
+            bucket.add(int(parts[2]))
+
+    # ------------------------------------------------------------------ reading
+    def leader(self) -> str | None:
+        """The leading node: the live candidate with the lowest create revision."""
+        live = [c for c in self.candidates.values() if c[1] in self.nodes]
+        return min(live)[1] if live else None
+
+    def vacant_candidacies(self) -> list[str] | None:
+        """None while a live node leads. Otherwise leadership is open, and these are the
+        candidacy keys (their part under ``elect/``) left by nodes that are gone; a
+        node that stands clears them in the same transaction."""
+        if self.leader() is not None:
+            return None
+        return sorted(self.candidates)
+
+    def running_on(self, node: str) -> list[TaskRef]:
+        return sorted(ref for ref, c in self.claims.items() if c.node == node)
+
+    def workflow_state(self, wid: str) -> str:
+        return self.workflow_states.get(wid, "pending")
+
+    def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
+        return sorted(
+            r
+            for r in self.tasks
+            if r.workflow == wid and (experiment is None or r.experiment == experiment)
+        )
+
+    def control(self, wid: str, experiment: str) -> ExperimentControl:
+        """The live changes made to an experiment (none: the recipe as submitted)."""
+        return self.controls.get((wid, experiment)) or ExperimentControl()
+
+    def experiment_cancelled(self, wid: str, experiment: str) -> bool:
+        return self.control(wid, experiment).cancelled
+
+    def workers(self, wid: str, exp: Experiment) -> int | None:
+        """The experiment's ``workers`` cap now: a live change, else the recipe's."""
+        control = self.control(wid, exp.name)
+        return control.workers if control.workers_set else exp.workers
+
+    def target_count(self, wid: str, exp: Experiment) -> int:
+        """How many tasks the experiment is to have: the recipe's plus those added live."""
+        return planned_count(exp) + self.control(wid, exp.name).extra_samples
+
+    def task_state(self, ref: TaskRef) -> str:
+        result = self.results.get(ref)
+        if result is not None:
+            return result.state
+        if ref in self.claims:
+            return "running"
+        if self.workflow_state(ref.workflow) == "cancelled" or self.experiment_cancelled(
+            ref.workflow, ref.experiment
+        ):
+            return "cancelled"
+        return "pending"
+
+    def counted_failures(self, ref: TaskRef) -> int:
+        """Ended attempts that count against ``retries`` (failed exits and timeouts),
+        since the last ``retry`` of the task (``retry_from`` in its key)."""
+        reopened = self._reopened.get(ref)
+        since = reopened[1] if reopened else int(self.tasks.get(ref, {}).get("retry_from", 0))
+        return sum(
+            1
+            for a in self.attempts.get(ref, {}).values()
+            if a.attempt > since and a.state == "failed" and a.reason in COUNTED_REASONS
+        )
+
+    def final_state(self, ref: TaskRef, state: str, reason: str, retries: int) -> str | None:
+        """The task's result after an attempt ended ``state`` for ``reason``: None while
+        it runs again (a lost or preempted node, or a counted failure within
+        ``retries``), else ``state``."""
+        if state != "failed":
+            return state
+        if reason not in COUNTED_REASONS:
+            return None
+        return "failed" if self.counted_failures(ref) + 1 > retries else None
+
+    def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
+        wstate = self.workflow_state(wf.id)
+        stopped = wstate == "cancelled" or self.experiment_cancelled(wf.id, exp.name)
+        count = self.expanded.get((wf.id, exp.name))
+        if count is None:
+            total = self.target_count(wf.id, exp)
+            blocked = any(
+                self.experiment_summary(wf, wf.recipe.experiment(dep)).state
+                in ("failed", "cancelled")
+                for dep in exp.after
+            )
+            if stopped or blocked:
+                return ExperimentSummary("cancelled", total, cancelled=total)
+            return ExperimentSummary("pending", total, pending=total)
+        counts = self.counts.get((wf.id, exp.name), Counter())
+        # Samples added live count from the moment they are asked for, before the
+        # leader writes their tasks; a cancelled experiment gets no more.
+        if not stopped:
+            count = max(count, self.target_count(wf.id, exp))
+        count = max(count, sum(counts.values()))
+        summary = ExperimentSummary("pending", count)
+        summary.running = counts["running"]
+        summary.succeeded = counts["succeeded"]
+        summary.failed = counts["failed"]
+        summary.cancelled = counts["cancelled"]
+        waiting = count - summary.running - summary.succeeded - summary.failed - summary.cancelled
+        if stopped:
+            summary.cancelled += waiting
+        else:
+            summary.pending = waiting
+        done = summary.succeeded + summary.failed + summary.cancelled
+        if done == count:
+            summary.state = (
+                "failed" if summary.failed else "cancelled" if summary.cancelled else "succeeded"
+            )
+        elif summary.running or done:
+            summary.state = "running"
+        return summary
+
+    def workflow_summary(self, wid: str) -> dict[str, Any]:
+        """The ``hypermesh status --json`` object of one workflow."""
+        wf = self.workflows[wid]
+        experiments = {exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments}
+        stored = self.workflow_state(wid)
+        state = stored
+        if stored not in TERMINAL:
+            active = any(s.state == "running" for s in experiments.values())
+            state = "running" if active or stored == "running" else "pending"
+        return {
+            "id": wid,
+            "name": wf.name,
+            "state": state,
+            "submitted_at": wf.submitted_at,
+            "experiments": {
+                name: s.to_json() | self._gang_waiting(wf, name) for name, s in experiments.items()
+            },
+        }
+
+    def _gang_waiting(self, wf: WorkflowRecord, name: str) -> dict[str, str]:
+        """``{"waiting": why}`` for a gang experiment whose oldest pending task waits."""
+        exp = wf.recipe.experiment(name)
+        if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
+            return {}
+        for index in sorted(self.open.get((wf.id, name), ())):
+            reason = waiting_reason(self, TaskRef(wf.id, name, index), exp)
+            if reason is not None:
+                return {"waiting": reason}
+        return {}
+
+    def derived_final_state(self, wid: str) -> str | None:
+        """The terminal state the workflow has reached, or None while work remains."""
+        wf = self.workflows[wid]
+        states = [self.experiment_summary(wf, e).state for e in wf.recipe.experiments]
+        if any(s not in TERMINAL for s in states):
+            return None
+        if "failed" in states:
+            return "failed"
+        if "cancelled" in states:
+            return "cancelled"
+        return "succeeded"
+
+    def task_json(self, ref: TaskRef) -> dict[str, Any]:
+        """One entry of ``hypermesh tasks --json``."""
+        attempts = [a.to_json() for _, a in sorted(self.attempts.get(ref, {}).items())]
+        reported = self.metrics.get(ref, {})
+        for a in attempts:
+            m = reported.get(a["attempt"])
+            a["metrics"] = dict(m.last) if m else {}
+            a["intermediate"] = {k: [list(p) for p in v] for k, v in m.history.items()} if m else {}
+        claim = self.claims.get(ref)
+        node = claim.node if claim else (attempts[-1]["node"] if attempts else None)
+        return {
+            "id": ref.id,
+            "experiment": ref.experiment,
+            "index": ref.index,
+            "params": self.tasks.get(ref, {}).get("params", {}),
+            "state": self.task_state(ref),
+            "node": node,
+            "attempts": attempts,
+            "metrics": self.task_metrics(ref),
+            "pruned": self.pruned(ref),
+        } | self._task_waiting(ref)
+
+    def _task_waiting(self, ref: TaskRef) -> dict[str, str]:
+        wf = self.workflows.get(ref.workflow)
+        if wf is None or self.task_state(ref) != "pending":
+            return {}
+        reason = waiting_reason(self, ref, wf.recipe.experiment(ref.experiment))
+        return {} if reason is None else {"waiting": reason}
+
+    def task_metrics(self, ref: TaskRef) -> dict[str, float]:
+        """Last metric values of the attempt that decided the task (or the newest that
+        reported any): what ``best`` and the search rank it by."""
+        reported = self.metrics.get(ref, {})
+        result = self.results.get(ref)
+        if result is not None and result.attempt in reported:
+            return dict(reported[result.attempt].last)
+        for n in sorted(reported, reverse=True):
+            if reported[n].last:
+                return dict(reported[n].last)
+        return {}
+
+    def pruned(self, ref: TaskRef) -> bool:
+        result = self.results.get(ref)
+        attempt = self.attempts.get(ref, {}).get(result.attempt) if result else None
+        return attempt is not None and attempt.reason == "pruned"

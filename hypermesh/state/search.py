@@ -1,0 +1,209 @@
+"""Adaptive search and pruning through Optuna, rebuilt from the mesh's records.
+
+No study lives anywhere but in etcd's task, attempt and metrics records: to choose the
+parameters of a new trial, ``suggest`` builds an in-memory Optuna study from the trials
+so far (finished ones with their objective values, running ones as running) and asks
+Optuna's TPE sampler, seeded from the experiment's seed and the trial's index. A new
+leader therefore continues a search exactly where the old one stopped, and the same
+history and seed always give the same parameters. ``should_prune`` asks Optuna's
+``MedianPruner`` the same way about one running trial.
+
+Pure: reads a ``MeshView`` or plain values; no etcd, no gRPC, no clock. Optuna is
+imported on first use (it costs about a second), so commands that only rank trials do
+not pay for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from hypermesh.recipe.ml import Objective
+from hypermesh.recipe.recipe import Experiment, Parameter
+from hypermesh.state.keyspace import TaskRef
+from hypermesh.state.model import MeshView
+
+if TYPE_CHECKING:
+    import optuna
+
+TrialState = Literal["complete", "pruned", "running", "failed"]
+
+MAX_STARTUP_TRIALS = 10  # Optuna's default; fewer for small budgets (see startup_trials)
+PRUNER_STARTUP_TRIALS = 5  # MedianPruner's defaults: compare once 5 trials completed,
+PRUNER_WARMUP_STEPS = 0  # from the first reported step on
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One task of a search as Optuna sees it."""
+
+    index: int
+    params: dict[str, Any]
+    state: TrialState
+    value: float | None = None
+    intermediate: dict[int, float] = field(default_factory=dict)
+
+
+def is_adaptive(exp: Experiment) -> bool:
+    """Whether the experiment's tasks are created one by one from the results so far."""
+    return exp.sampling == "tpe"
+
+
+DEFAULT_PARALLELISM = 4  # unfinished trials of an adaptive search without a workers cap
+
+
+def startup_trials(samples: int) -> int:
+    """Random trials before TPE models the results: Optuna's 10, or a quarter of a
+    smaller budget (at least 2), so a small budget still gets adaptive trials."""
+    return max(2, min(MAX_STARTUP_TRIALS, samples // 4))
+
+
+def trial_seed(seed: int, index: int) -> int:
+    """The sampler seed of trial ``index``: the same on every agent (SHA-256, not hash())."""
+    digest = hashlib.sha256(f"hypermesh-tpe:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def trials_of(view: MeshView, wid: str, exp: Experiment) -> list[Trial]:
+    """Every created trial of experiment ``exp`` of workflow ``wid``, by index."""
+    metric = exp.objective.metric if exp.objective else None
+    trials = []
+    for ref in view.task_refs(wid, exp.name):
+        params = view.tasks[ref].get("params", {})
+        trials.append(_trial(view, ref, params, metric))
+    return trials
+
+
+def _trial(view: MeshView, ref: TaskRef, params: dict[str, Any], metric: str | None) -> Trial:
+    result = view.results.get(ref)
+    reported = view.metrics.get(ref, {})
+    n = result.attempt if result else max(reported, default=0)
+    m = reported.get(n)
+    value = m.last.get(metric) if m and metric else None
+    intermediate = m.intermediate(metric) if m and metric else {}
+    state: TrialState
+    if result is None:
+        state = "running"
+    elif view.pruned(ref):
+        state = "pruned"
+    elif result.state == "succeeded" and value is not None:
+        state = "complete"
+    else:
+        state = "failed"  # failed, cancelled, or succeeded without the objective metric
+    return Trial(ref.index, dict(params), state, value, intermediate)
+
+
+def next_indices(budget: int, parallel: int, created: int, finished: int) -> range:
+    """Indices of the trials to create now: up to the ``budget`` (the experiment's
+    samples, plus any added live), with at most ``parallel`` (its ``workers`` cap, live
+    or from the recipe) unfinished."""
+    room = parallel - (created - finished)
+    return range(created, created + max(0, min(budget - created, room)))
+
+
+# --------------------------------------------------------------------------- Optuna
+
+
+def _optuna() -> Any:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+def distributions(exp: Experiment) -> dict[str, Any]:
+    optuna = _optuna()
+    return {p.name: _distribution(optuna, p) for p in exp.parameters}
+
+
+def _distribution(optuna: Any, p: Parameter) -> Any:
+    d = optuna.distributions
+    if p.kind == "values":
+        return d.CategoricalDistribution(list(p.values))
+    assert p.low is not None and p.high is not None
+    if p.sampling == "int":
+        return d.IntDistribution(math.ceil(p.low), math.floor(p.high))
+    return d.FloatDistribution(p.low, p.high, log=p.sampling == "loguniform")
+
+
+def _study(
+    exp: Experiment, trials: list[Trial], sampler: Any = None
+) -> tuple[optuna.Study, dict[str, Any]]:
+    optuna = _optuna()
+    assert exp.objective is not None
+    dists = distributions(exp)
+    study = optuna.create_study(direction=exp.objective.goal, sampler=sampler)
+    states = {
+        "complete": optuna.trial.TrialState.COMPLETE,
+        "pruned": optuna.trial.TrialState.PRUNED,
+        "running": optuna.trial.TrialState.RUNNING,
+        "failed": optuna.trial.TrialState.FAIL,
+    }
+    frozen = []
+    for t in trials:
+        params = {k: v for k, v in t.params.items() if k in dists}
+        if len(params) != len(dists):
+            continue  # a trial of another parameter space: not comparable
+        try:
+            frozen.append(
+                optuna.trial.create_trial(
+                    params=params,
+                    distributions=dists,
+                    value=t.value if t.state == "complete" else None,
+                    intermediate_values=dict(t.intermediate),
+                    state=states[t.state],
+                )
+            )
+        except ValueError:
+            continue  # a value outside the space (set by hand): not comparable
+    study.add_trials(frozen)
+    return study, dists
+
+
+def suggest(exp: Experiment, seed: int, index: int, trials: list[Trial]) -> dict[str, Any]:
+    """The parameters of trial ``index`` given the trials so far (TPE, seeded per index)."""
+    optuna = _optuna()
+    assert exp.samples is not None
+    sampler = optuna.samplers.TPESampler(
+        seed=trial_seed(seed, index),
+        n_startup_trials=startup_trials(exp.samples),
+        constant_liar=True,  # running trials count as bad: parallel asks spread out
+    )
+    study, dists = _study(exp, trials, sampler)
+    asked = study.ask(dists)
+    return {p.name: _plain(asked.params[p.name]) for p in exp.parameters}
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (from Optuna) as plain Python values, storable as JSON."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def should_prune(exp: Experiment, others: list[Trial], current: Trial) -> bool:
+    """Whether Optuna's ``MedianPruner`` stops ``current`` given the other trials."""
+    if exp.pruning is None or exp.objective is None or not current.intermediate:
+        return False
+    optuna = _optuna()
+    study, dists = _study(exp, [t for t in others if t.index != current.index])
+    trial = optuna.trial.create_trial(
+        params={k: v for k, v in current.params.items() if k in dists},
+        distributions={k: v for k, v in dists.items() if k in current.params},
+        intermediate_values=dict(current.intermediate),
+        state=optuna.trial.TrialState.RUNNING,
+    )
+    pruner = optuna.pruners.MedianPruner(
+        n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=PRUNER_WARMUP_STEPS
+    )
+    return bool(pruner.prune(study, trial))
+
+
+# --------------------------------------------------------------------------- ranking
+
+
+def ranked(objective: Objective, trials: list[Trial]) -> list[Trial]:
+    """Completed trials, best first (ties by index)."""
+    done = [t for t in trials if t.state == "complete" and t.value is not None]
+    sign = 1.0 if objective.goal == "minimize" else -1.0
+    return sorted(done, key=lambda t: (sign * (t.value or 0.0), t.index))

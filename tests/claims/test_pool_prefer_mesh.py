@@ -1,0 +1,69 @@
+"""Soft pool preference end to end: real etcd, two real agents in two pools.
+
+``p1`` (pool ``onprem``) and ``c1`` (pool ``cloud``) have two slots each; the recipes
+prefer ``onprem``. While p1 has room it runs the tasks (c1 leaves them to it, as its
+decision log says); the work it has no room for goes to c1 at once; when p1 is gone
+(SIGKILL) c1 takes over its tasks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypermesh.local.mesh import wait_for
+from tests.conftest import Mesh
+
+PREFERRING = """\
+experiments:
+  e:
+    parameters:
+      i: {{values: [{values}]}}
+    command: sleep {seconds}
+    prefer_pools: [onprem]
+"""
+DELAY = ("--pool-delay", "4")
+
+
+def nodes_of(mesh: Mesh, wid: str) -> Counter[str]:
+    """How many first attempts of the workflow's tasks each node ran."""
+    return Counter(t["attempts"][0]["node"] for t in mesh.hm_json("tasks", wid))
+
+
+def test_preferred_pool_runs_tasks_first_others_take_the_rest(mesh: Mesh) -> None:
+    onprem = mesh.agent("p1", slots=2, extra=("--pool", "onprem", *DELAY))
+    cloud = mesh.agent("c1", slots=2, extra=("--pool", "cloud", *DELAY))
+    wait_for(lambda: len(mesh.hm_json("nodes")) == 2, 30, "both agents to register")
+
+    # p1 has room for both tasks: they run there, c1 leaves them to it.
+    wid = mesh.submit(mesh.write_recipe(PREFERRING.format(values="0, 1", seconds=0.5), "a.yaml"))
+    assert mesh.wait_state(wid, {"succeeded", "failed"})["state"] == "succeeded", mesh.logs()
+    assert nodes_of(mesh, wid) == {"p1": 2}, mesh.logs()
+    assert "to p1, a node of a preferred pool with room" in cloud.log_tail(100_000)
+
+    # Four tasks, room for two on p1: c1 takes the other two without waiting.
+    wid = mesh.submit(mesh.write_recipe(PREFERRING.format(values="0, 1, 2, 3", seconds=4),
+                                        "b.yaml"))
+
+    def all_running() -> Counter[str] | None:
+        tasks = mesh.hm_json("tasks", wid)
+        if all(t["state"] == "running" for t in tasks):
+            return Counter(t["node"] for t in tasks)
+        return None
+
+    running = wait_for(all_running, 20, "all four tasks to run", interval=0.2)
+    assert running == {"p1": 2, "c1": 2}, mesh.logs()
+
+    # p1 is gone: its two tasks are lost and c1 runs them when it has room.
+    onprem.kill()
+    assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded", \
+        mesh.logs()
+    finals = Counter(t["attempts"][-1]["node"] for t in mesh.hm_json("tasks", wid))
+    assert finals == {"c1": 4}, mesh.logs()
+
+
+def test_submit_warns_when_no_preferred_pool_exists(mesh: Mesh) -> None:
+    recipe = mesh.write_recipe(PREFERRING.format(values="0", seconds=0))
+    result = mesh.hm("submit", str(recipe), check=True)
+    assert ("warning: experiment 'e': no preferred pool (onprem) is declared or has a live "
+            "node; the preference does nothing until one does") in result.stderr
+    mesh.hm("pool", "set", "onprem", check=True)
+    assert "warning" not in mesh.hm("submit", str(recipe), check=True).stderr

@@ -1,0 +1,87 @@
+"""The piggyback queue: order, replacement, retransmit limit; the update wire format."""
+
+from __future__ import annotations
+
+import pytest
+from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, SUSPECT, BroadcastQueue, Update
+
+
+def up(member: str, inc: int = 0, state: str = ALIVE) -> Update:
+    return Update(member, f"addr-{member}", state, inc)
+
+
+def test_least_transmitted_first_and_newest_first_among_equals() -> None:
+    q = BroadcastQueue()
+    for m in "abc":
+        q.push(up(m))
+    assert [u.member for u in q.take(2, 10)] == ["c", "b"]
+    q.push(up("d"))
+    assert [u.member for u in q.take(3, 10)] == ["d", "a", "c"]
+    assert [u.member for u in q.pending()] == ["d", "a", "b", "c"]
+    assert [q.transmits(m) for m in "abcd"] == [1, 1, 2, 1]
+
+
+def test_an_update_about_a_member_replaces_the_queued_one_and_starts_unsent() -> None:
+    q = BroadcastQueue()
+    q.push(up("x", 0))
+    q.take(5, 10)
+    q.push(up("x", 1, SUSPECT))
+    assert len(q) == 1 and q.transmits("x") == 0
+    assert q.get("x") == up("x", 1, SUSPECT)
+    q.drop("x")
+    assert not q and "x" not in q and q.get("x") is None
+
+
+@pytest.mark.parametrize("limit", [1, 2, 5])
+def test_updates_leave_after_the_retransmit_limit(limit: int) -> None:
+    q = BroadcastQueue()
+    q.push(up("a"))
+    q.push(up("b"))
+    sent = [u.member for _ in range(limit + 3) for u in q.take(8, limit)]
+    assert sorted(sent) == ["a"] * limit + ["b"] * limit
+    assert not q
+
+
+def test_a_lower_limit_drops_what_was_already_sent_enough() -> None:
+    q = BroadcastQueue()
+    q.push(up("a"))
+    for _ in range(3):
+        q.take(1, 10)
+    q.push(up("b"))
+    assert [u.member for u in q.take(5, 2)] == ["b"]  # a was sent 3 times: over the new limit
+    assert "a" not in q
+
+
+def test_skip_leaves_one_member_alone() -> None:
+    q = BroadcastQueue()
+    q.push(up("a"))
+    q.push(up("b"))
+    assert [u.member for u in q.take(5, 10, skip="b")] == ["a"]
+    assert q.transmits("b") == 0
+
+
+def test_update_wire_round_trip_drops_trailing_defaults() -> None:
+    alive = Update.alive("n1", "h:1", 2, 3, {"z": 1, "a": [1, 2]})
+    assert alive.meta_json == '{"a":[1,2],"z":1}' and alive.meta == {"a": [1, 2], "z": 1}
+    assert Update.from_wire(alive.to_wire()) == alive
+    dead = Update("n2", "h:2", DEAD, 4, source="n1")
+    assert dead.to_wire() == ["n2", "h:2", 2, 4, 0, None, "n1"]
+    assert up("n3").to_wire() == ["n3", "addr-n3", 0, 0]
+    assert Update.from_wire(["n3", "addr-n3", 0, 0]) == up("n3")
+    assert hash(alive) == hash(Update.from_wire(alive.to_wire()))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["a", "b", 0],
+        ["a", "b", 7, 0],
+        ["a", 1, 0, 0],
+        ["a", "b", 0, "1"],
+        ["a", "b", 0, 0, 0, [1]],
+        "abc",
+    ],
+)
+def test_malformed_rows_are_rejected(row: object) -> None:
+    with pytest.raises(ValueError):
+        Update.from_wire(row)  # type: ignore[arg-type]

@@ -1,0 +1,291 @@
+"""What hypermesh relies on from etcd and its young client library (etcd3aio),
+against real etcd servers: the mirror resumes after an etcd restart, clients fail
+over to another member, fenced transactions and leases behave as designed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from hypermesh.errors import EtcdUnavailable, UsageError
+from hypermesh.local.mesh import EtcdCluster, EtcdServer
+from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, parse_endpoints
+
+
+async def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_parse_endpoints() -> None:
+    assert parse_endpoints("http://127.0.0.1:2379, 10.0.0.2:2380") == [
+        "127.0.0.1:2379",
+        "10.0.0.2:2380",
+    ]
+    for bad in ("", "ftp://x:1", "http://host", "https://h:1"):
+        with pytest.raises(UsageError):
+            parse_endpoints(bad)
+
+
+def test_mirror_resumes_after_etcd_restart(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path / "etcd", fsync=False).start()
+    seen: dict[str, bytes | None] = {}
+
+    def apply(key: str, value: bytes | None, crev: int, mrev: int) -> None:
+        seen[key] = value
+
+    async def scenario() -> None:
+        async with Etcd([server.url.split("//")[1]]) as etcd:
+            await etcd.put("/t/before", b"1")
+            mirror = asyncio.create_task(etcd.mirror("/t/", apply, lambda rev: None))
+            await wait_until(lambda: seen.get("/t/before") == b"1", 10, "initial load")
+            server.stop()
+            await asyncio.sleep(0.5)
+            server.start()
+            deadline = time.monotonic() + 20
+            while True:  # writes fail until the client reconnects
+                try:
+                    await etcd.put("/t/after", b"2")
+                    break
+                except EtcdUnavailable:
+                    assert time.monotonic() < deadline, "etcd did not come back"
+                    await asyncio.sleep(0.2)
+            await wait_until(lambda: seen.get("/t/after") == b"2", 20, "watch to resume")
+            mirror.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_failover_to_another_member(tmp_path: Path) -> None:
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    seen: dict[str, bytes | None] = {}
+
+    async def scenario() -> None:
+        endpoints = parse_endpoints(cluster.url)
+        async with Etcd(endpoints) as etcd:
+            lease = await etcd.grant(10)
+            await etcd.put("/f/leased", b"x", lease)
+            mirror = asyncio.create_task(
+                etcd.mirror("/f/", lambda k, v, c, m: seen.__setitem__(k, v), lambda rev: None)
+            )
+            await wait_until(lambda: "/f/leased" in seen, 10, "initial load")
+            cluster.members[0].stop()  # lose one member of three: quorum remains
+            for i in range(10):  # round robin hits every member; all must succeed
+                await etcd.put(f"/f/k{i}", str(i).encode())
+            assert await etcd.keepalive_once(lease) > 0
+            await wait_until(lambda: seen.get("/f/k9") == b"9", 20, "watch after failover")
+            assert (await etcd.get("/f/leased")) is not None
+            mirror.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cluster.stop()
+
+
+def test_fenced_transaction_and_lease_expiry(etcd_server: EtcdServer) -> None:
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease = await etcd.grant(2)
+            rev = await etcd.put("/x/claim", b"me", lease)
+            # A write fenced on the claim's revision succeeds while it is ours...
+            ok = await etcd.txn(
+                [etcd.mod_revision_is("/x/claim", rev)], [etcd.op_put("/x/res", b"1")]
+            )
+            assert ok.succeeded
+            # ...and fails once someone re-claimed it.
+            await etcd.put("/x/claim", b"other")
+            late = await etcd.txn(
+                [etcd.mod_revision_is("/x/claim", rev)], [etcd.op_put("/x/res", b"2")]
+            )
+            assert not late.succeeded
+            assert (await etcd.get("/x/res"))[0] == b"1"  # type: ignore[index]
+            # A lease nobody renews expires and takes its keys with it.
+            lease2 = await etcd.grant(2)
+            await etcd.put("/x/mine", b"1", lease2)
+            deadline = time.monotonic() + 10
+            while await etcd.get("/x/mine") is not None:
+                assert time.monotonic() < deadline, "lease did not expire"
+                await asyncio.sleep(0.2)
+            assert await etcd.keepalive_once(lease2) <= 0
+
+    asyncio.run(scenario())
+
+
+def test_of_two_candidates_that_saw_the_same_vacancy_one_stands(etcd_server: EtcdServer) -> None:
+    """The election's transaction: stand only if no candidacy was put since the view."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            stale = await etcd.put("/el/elect/01", b"gone")  # a dead leader's key
+            seen = await etcd.put("/el/other", b"x")  # the revision both candidates saw
+
+            def stand(name: str) -> list[object]:
+                return [etcd.op_delete("/el/elect/01"), etcd.op_put("/el/elect/" + name, b"")]
+
+            guard = [etcd.none_created_since("/el/elect/", seen)]
+            first = await etcd.txn(guard, stand("02"))
+            second = await etcd.txn(guard, stand("03"))
+            assert first.succeeded and not second.succeeded
+            kvs, _ = await etcd.get_prefix("/el/elect/")
+            assert [kv.key for kv in kvs] == [b"/el/elect/02"]
+            # Keys older than the view do not stop a candidate; an empty prefix neither.
+            assert stale < seen
+            later = await etcd.txn([etcd.none_created_since("/el/elect/", first.revision)], [])
+            empty = await etcd.txn([etcd.none_created_since("/el/none/", seen)], [])
+            assert later.succeeded and empty.succeeded
+
+    asyncio.run(scenario())
+
+
+def _unavailable() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Socket closed"
+    )
+
+
+def _lose_answers(etcd: Etcd, plan: list[str]) -> list[str]:
+    """Make the next transactions go wrong as ``plan`` says, one word each: ``lost``
+    (etcd commits it, the answer never arrives), ``refused`` (never reaches etcd).
+    Returns the log of what each call did."""
+    real = type(etcd.kv).txn.__get__(etcd.kv)  # the client's own, not an earlier fault's
+    calls: list[str] = []
+
+    async def txn(*args: Any, **kwargs: Any) -> Any:
+        fault = plan.pop(0) if plan else "ok"
+        calls.append(fault)
+        if fault == "refused":
+            raise _unavailable()
+        resp = await real(*args, **kwargs)
+        if fault == "lost":
+            raise _unavailable()
+        return resp
+
+    etcd.kv.txn = txn  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
+    etcd_server: EtcdServer,
+) -> None:
+    """A member that dies after committing a claim must not make its writer believe
+    the claim failed (retrying it fails its compares): the claim would be held under
+    the writer's lease, run by nobody, forever."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease = await etcd.grant(30)
+            claim = [etcd.absent("/t/claim")], [
+                etcd.op_put("/t/claim", b"node1 attempt 1", lease),
+                etcd.op_put("/t/attempt", b"running"),
+            ]
+            calls = _lose_answers(etcd, ["lost"])
+            done = await etcd.txn(*claim)
+            assert calls == ["lost", "ok"]  # committed once, retried once
+            assert done.succeeded
+            _, rev = await etcd.get("/t/claim")  # type: ignore[misc]
+            assert done.revision == rev  # the earlier attempt's revision: a valid fence
+            # A compare that fails for real still fails after a retry (a claim's value
+            # is new each time: it carries its start time)...
+            later = [etcd.absent("/t/claim")], [etcd.op_put("/t/claim", b"node1 at 2", lease)]
+            calls = _lose_answers(etcd, ["refused"])
+            again = await etcd.txn(*later)
+            assert calls == ["refused", "ok"] and not again.succeeded
+            # ...also when the keys hold someone else's write of the same bytes, but
+            # under another lease.
+            await etcd.put("/t/claim", b"node1 at 2")
+            _lose_answers(etcd, ["refused"])
+            assert not (await etcd.txn(*later)).succeeded
+            # A release (deletes only) whose answer was lost succeeded too.
+            rev = (await etcd.get("/t/claim"))[1]  # type: ignore[index]
+            _lose_answers(etcd, ["lost"])
+            released = await etcd.txn(
+                [etcd.mod_revision_is("/t/claim", rev)], [etcd.op_delete("/t/claim")]
+            )
+            assert released.succeeded and await etcd.get("/t/claim") is None
+            # An error that is no outage is not retried.
+            calls = _lose_answers(etcd, [])
+            too_many = [etcd.op_put(f"/t/{i}", b"") for i in range(200)]
+            with pytest.raises(EtcdUnavailable):
+                await etcd.txn([], too_many)
+            assert calls == ["ok"]
+
+    asyncio.run(scenario())
+
+
+def test_a_mirror_of_several_prefixes_sees_changes_in_etcd_order(
+    etcd_server: EtcdServer,
+) -> None:
+    """``mirror(root, only=...)``: loads the chosen prefixes at one revision, ignores the
+    rest of ``root``, and applies changes to all of them in the order etcd made them."""
+
+    async def scenario() -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            await etcd.put("/m/a/1", b"a1")
+            await etcd.put("/m/b/1", b"b1")
+            await etcd.put("/m/other/1", b"x")
+            seen: list[tuple[str, bytes | None]] = []
+            batches: list[int] = []
+            ready = asyncio.Event()
+            mirror = asyncio.create_task(etcd.mirror(
+                "/m/", lambda key, value, *_: seen.append((key, value)), batches.append,
+                ready=ready, only=["/m/a/", "/m/b/"],
+            ))
+            try:
+                await asyncio.wait_for(ready.wait(), 10)
+                assert sorted(seen) == [("/m/a/1", b"a1"), ("/m/b/1", b"b1")]
+                seen.clear()
+                for key in ("/m/b/2", "/m/other/2", "/m/a/2", "/m/b/3"):
+                    await etcd.put(key, key.encode())
+                last = await etcd.put("/m/a/3", b"last")
+                await etcd.txn([], [etcd.op_delete("/m/b/1")])
+                await wait_until(lambda: ("/m/b/1", None) in seen, 10, "the delete")
+                assert [k for k, _ in seen] == ["/m/b/2", "/m/a/2", "/m/b/3", "/m/a/3", "/m/b/1"]
+                assert max(batches) > last
+            finally:
+                mirror.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mirror
+
+    asyncio.run(scenario())
+
+
+def test_grpc_stream_cleanup_reports_are_hushed_and_others_are_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        hush_broken_stream_noise(loop)
+
+        async def _consume_request_iterator() -> None:  # named as grpc.aio's task is
+            await asyncio.sleep(0)
+
+        task = loop.create_task(_consume_request_iterator())
+        await task
+        loop.call_exception_handler({"message": "Task was destroyed but it is pending!",
+                                     "task": task})
+        loop.call_exception_handler({
+            "message": "Task exception was never retrieved",
+            "exception": RuntimeError("aclose(): asynchronous generator is already running"),
+        })
+        loop.call_exception_handler({"message": "something else broke",
+                                     "exception": ValueError("real")})
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(scenario())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["something else broke"]
+    assert sum("grpc.aio stream cleanup" in r.getMessage() for r in caplog.records) == 2

@@ -1,0 +1,349 @@
+"""Batched experiments: the rules (which experiments, what size), the recipe field, the
+view's expansion of blocks and batches, and the fenced transactions on a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import textwrap
+from collections.abc import Callable
+
+import pytest
+from hypermesh.agent.tasks.blocks import choose_block
+
+from hypermesh.local.mesh import EtcdServer
+from hypermesh.recipe.recipe import parse_recipe
+from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
+from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry, block_size, why_not_batched
+from hypermesh.state.etcd import Etcd
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.model import MeshView, NodeRecord, dumps
+from tests.recipe.test_recipe import located, one_experiment
+from tests.state.test_model import Feed
+
+TRIVIAL = """
+experiments:
+  e:
+    command: 'true'
+    samples: 10
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ("", None),
+        ("workers: 2", "a 'workers' cap"),
+        ("nodes: 2", "a gang ('nodes' above 1)"),
+        ("hardware: {gpus: 1}", "GPUs"),
+        ("prefer_pools: [a]", "'prefer_pools'"),
+    ],
+)
+def test_what_keeps_per_task_keys(extra: str, why: str | None) -> None:
+    exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
+    assert why_not_batched(exp) == why
+
+
+@pytest.mark.parametrize(
+    ("batch", "count", "slots", "size"),
+    [
+        (None, 5000, 16, 78),  # about a quarter of the tasks per slot
+        (None, 100, 16, 1),  # too few tasks per slot: per-task keys
+        (None, 10**6, 16, 256),  # at most MAX_BLOCK
+        (None, 5000, 0, 256),  # no node yet counts as one slot
+        ("batch: 7", 10, 16, 7),  # the recipe's choice
+    ],
+)
+def test_block_size(batch: str | None, count: int, slots: int, size: int) -> None:
+    exp = one_experiment(f"command: 'true'\nsamples: 4\n{batch or ''}\n")
+    assert block_size(exp, count, slots) == size
+
+
+def test_a_capped_experiment_is_never_batched_even_when_asked() -> None:
+    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 5000, 4) == 1
+
+
+def test_batch_field_errors_name_the_field_and_line() -> None:
+    assert located("""
+        experiments:
+          e:
+            command: 'true'
+            batch: 0
+        """) == {(4, "experiments.e.batch")}
+    assert located("""
+        experiments:
+          e:
+            command: 'true'
+            batch: 300
+        """) == {(4, "experiments.e.batch")}
+    assert located("""
+        experiments:
+          e:
+            command: 'true'
+            workers: 2
+            batch: 8
+        """) == {(5, "experiments.e.batch")}
+
+
+def test_batch_values_round_trip() -> None:
+    batch = Batch(
+        "n1",
+        (AttemptEntry(3, 1, "running", started_at=1.0),
+         AttemptEntry(4, 2, "failed", None, "node-lost", 1.0, 2.0, "n0")),
+        (ResultEntry(5, "succeeded", 1, 0, 3.0),),
+        ((6, 2),),
+    )
+    assert Batch.from_json(batch.to_json()) == batch
+
+
+# ---------------------------------------------------------------- the view
+def feed_block(feed: Feed, wid: str, first: int, size: int) -> BlockRef:
+    bref = BlockRef(wid, "e", first)
+    feed.put(feed.ks.block(bref), {"params": [{"i": first + k} for k in range(size)]})
+    return bref
+
+
+def batch(feed: Feed, bref: BlockRef, name: str, value: Batch) -> int:
+    return feed.put(f"{feed.ks.block_batches(bref)}{name}", value.to_json())
+
+
+def test_the_view_expands_blocks_batches_and_claims_into_tasks() -> None:
+    feed = Feed()
+    feed.workflow("w", TRIVIAL, state="running")
+    b0, b5 = feed_block(feed, "w", 0, 5), feed_block(feed, "w", 5, 5)
+    feed.put(feed.ks.expanded("w", "e"), {"count": 10})
+    view = feed.view
+    assert view.batched("w", "e") and view.block_firsts("w", "e") == [0, 5]
+    assert view.tasks[TaskRef("w", "e", 7)] == {"params": {"i": 7}}
+    assert view.block_open[b0] == 5 and view.block_of(TaskRef("w", "e", 7)) == b5
+    assert view.experiment_summary(view.workflows["w"], view.workflows["w"].recipe.experiments[0]
+                                   ).pending == 10
+    feed.put(feed.ks.block_claim(b0), {"node": "n1", "lease": 9, "started_at": 1.0})
+    batch(feed, b0, "a-1", Batch("n1", (AttemptEntry(0, 1, "running", started_at=2.0),
+                                        AttemptEntry(1, 1, "running", started_at=2.0))))
+    ref0, ref1 = TaskRef("w", "e", 0), TaskRef("w", "e", 1)
+    assert view.task_state(ref0) == "running" and view.claims[ref0].node == "n1"
+    assert view.running_on("n1") == [ref0, ref1]
+    assert view.block_open[b0] == 3
+    batch(feed, b0, "a-2", Batch("n1", (AttemptEntry(0, 1, "succeeded", 0, "exit", 2.0, 3.0),),
+                                 (ResultEntry(0, "succeeded", 1, 0, 3.0),)))
+    assert view.task_state(ref0) == "succeeded" and ref0 not in view.claims
+    # The holder dies: its claim goes with its lease and the running task is open again.
+    feed.delete(feed.ks.block_claim(b0))
+    assert view.task_state(ref1) == "pending" and view.block_open[b0] == 4
+    assert view.attempts[ref1][1].state == "running"  # until the next holder closes it
+
+
+def test_a_malformed_batch_changes_nothing_in_the_view() -> None:
+    """Rows are checked before any is applied: a batch with one bad row is skipped whole."""
+    feed = Feed()
+    feed.workflow("w", TRIVIAL, state="running")
+    b0 = feed_block(feed, "w", 0, 3)
+    feed.put(feed.ks.expanded("w", "e"), {"count": 3})
+    feed.put(feed.ks.block_claim(b0), {"node": "n1", "lease": 9, "started_at": 1.0})
+    view = feed.view
+    before = (dict(view.counts[("w", "e")]), dict(view.attempts), dict(view.results))
+    bad = Batch("n1", (AttemptEntry(0, 1, "succeeded", 0, "exit", 2.0, 3.0),),
+                (ResultEntry(0, "succeeded", 1, 0, 3.0),)).to_json()
+    bad["r"].append([1, "succeeded"])  # a result row cut short
+    feed.put(f"{feed.ks.block_batches(b0)}bad", bad)
+    assert (dict(view.counts[("w", "e")]), dict(view.attempts), dict(view.results)) == before
+    assert view.task_state(TaskRef("w", "e", 0)) == "pending" and view.block_open[b0] == 3
+
+
+def test_the_view_reads_batches_in_any_order_by_revision() -> None:
+    """A range read applies keys in key order, not in the order they were written."""
+    ks = Keyspace("t")
+    bref = BlockRef("w", "e", 0)
+    ref = TaskRef("w", "e", 0)
+    writes = [
+        (ks.block(bref), {"params": [{"i": 0}]}, 1),
+        (f"{ks.block_batches(bref)}b", Batch("n1", (AttemptEntry(0, 1, "running"),)).to_json(), 2),
+        (f"{ks.block_batches(bref)}a", Batch(
+            "n1", (AttemptEntry(0, 1, "failed", 1, "exit"),),
+            (ResultEntry(0, "failed", 1, 1, 3.0),)).to_json(), 3),
+        (f"{ks.block_batches(bref)}0", Batch("retry", reopened=((0, 1),)).to_json(), 4),
+    ]
+    for order in (writes, sorted(writes), list(reversed(writes))):
+        view = MeshView(ks)
+        for key, value, rev in order:
+            view.apply(key, dumps(value), rev, rev)
+        assert view.attempts[ref][1].state == "failed"
+        assert ref not in view.results  # reopened by the later retry
+        assert view.counted_failures(ref) == 0
+
+
+def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
+    feed = Feed()
+    feed.workflow("w", TRIVIAL, state="running")
+    feed.node("n1", slots=2)
+    blocks = [feed_block(feed, "w", first, 2) for first in (0, 2, 4, 6)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 8})
+    me = feed.view.nodes["n1"]
+    assert choose_block(feed.view, me, set()) == blocks[0]
+    feed.put(feed.ks.block_claim(blocks[0]), {"node": "n2", "lease": 1})
+    batch(feed, blocks[1], "x", Batch("n2", (), (ResultEntry(2, "succeeded", 1, 0, 1.0),
+                                                ResultEntry(3, "succeeded", 1, 0, 1.0))))
+    assert choose_block(feed.view, me, {blocks[2]}) == blocks[3]
+    assert choose_block(feed.view, me, set(), random.Random(1)) in {blocks[2], blocks[3]}
+    feed.put(feed.ks.experiment_control("w", "e"), {"cancelled": True})
+    assert choose_block(feed.view, me, set()) is None
+    assert choose_block(MeshView(feed.ks), NodeRecord("n1", "a:1"), set()) is None
+
+
+def test_a_capped_recipe_keeps_per_task_keys() -> None:
+    recipe = parse_recipe(textwrap.dedent(TRIVIAL).replace("samples: 10", "workers: 1"))
+    assert why_not_batched(recipe.experiments[0]) == "a 'workers' cap"
+
+
+# ---------------------------------------------------------------- etcd
+def test_block_claims_and_batches_are_fenced(etcd_server: EtcdServer) -> None:
+    async def main() -> None:
+        ks = Keyspace("blocks")
+        bref = BlockRef("w", "e", 0)
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease_a = await etcd.grant(30)
+            lease_b = await etcd.grant(30)
+            _, seen = await etcd.get_prefix(ks.block_batches(bref))
+            fence = await claim_block(etcd, ks, bref, "a", lease_a, seen,
+                                      ks.block_batch(bref, lease_a, 1))
+            assert fence is not None
+            # Held: nobody else claims it.
+            assert await claim_block(etcd, ks, bref, "b", lease_b, fence,
+                                     ks.block_batch(bref, lease_b, 1)) is None
+            started = Batch("a", (AttemptEntry(0, 1, "running", started_at=1.0),))
+            wrote = await flush_block(etcd, ks, bref, fence, ks.block_batch(bref, lease_a, 2),
+                                      started)
+            assert wrote is not None
+            # A's lease ends. B, whose view predates A's batch, may not claim: it would
+            # not know what A recorded.
+            await etcd.revoke(lease_a)
+            assert await claim_block(etcd, ks, bref, "b", lease_b, seen,
+                                     ks.block_batch(bref, lease_b, 2)) is None
+            # With a current view it claims, closing A's running attempt as lost.
+            _, current = await etcd.get_prefix(ks.block_batches(bref))
+            lost = lost_entries([(0, 1, "a", 1.0)], 2.0)
+            fence_b = await claim_block(etcd, ks, bref, "b", lease_b, current,
+                                        ks.block_batch(bref, lease_b, 3), lost)
+            assert fence_b is not None and fence_b != fence
+            # A, back from a pause, is fenced out: its late result is not written.
+            late = Batch("a", (), (ResultEntry(0, "succeeded", 1, 0, 3.0),))
+            assert await flush_block(etcd, ks, bref, fence, ks.block_batch(bref, lease_a, 4),
+                                     late) is None
+            done = Batch("b", (AttemptEntry(0, 2, "succeeded", 0, "exit", 2.0, 3.0),),
+                         (ResultEntry(0, "succeeded", 2, 0, 3.0),))
+            assert await flush_block(etcd, ks, bref, fence_b, ks.block_batch(bref, lease_b, 4),
+                                     done, release=True) is not None
+            assert await etcd.get(ks.block_claim(bref)) is None
+            kvs, _ = await etcd.get_prefix(ks.block_batches(bref))
+            view = MeshView(ks)
+            for kv in kvs:
+                view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+            ref = TaskRef("w", "e", 0)
+            assert [(a.node, a.state, a.reason) for _, a in sorted(view.attempts[ref].items())
+                    ] == [("a", "failed", "node-lost"), ("b", "succeeded", "exit")]
+            assert view.results[ref].attempt == 2
+
+    asyncio.run(main())
+
+
+def _block_events(rng: random.Random, ks: Keyspace) -> list[tuple[str, dict | None]]:
+    """A random history of two blocks: holders come and go, batches start, end, fail,
+    decide and reopen tasks (as ``hypermesh retry`` does)."""
+    brefs = [BlockRef("w", "e", 0), BlockRef("w", "e", 4)]
+    events: list[tuple[str, dict | None]] = [
+        (ks.block(b), {"params": [{"i": b.first + k} for k in range(4)]}) for b in brefs
+    ]
+    attempt: dict[int, int] = {}
+    for step in range(60):
+        b = rng.choice(brefs)
+        roll = rng.random()
+        if roll < 0.15:
+            events.append((ks.block_claim(b), {"node": rng.choice(["n1", "n2"]), "lease": 1,
+                                               "started_at": float(step)}))
+        elif roll < 0.25:
+            events.append((ks.block_claim(b), None))
+        else:
+            entries, results, reopened = [], [], []
+            for index in rng.sample(range(b.first, b.first + 4), rng.randint(1, 3)):
+                what = rng.random()
+                if what < 0.15:
+                    reopened.append((index, attempt.get(index, 0)))
+                    continue
+                n = attempt[index] = attempt.get(index, 0) + (what < 0.5)
+                state = "running" if what < 0.5 else rng.choice(["succeeded", "failed"])
+                entries.append(AttemptEntry(index, max(n, 1), state, None, "exit",
+                                            float(step), None if state == "running" else step + .5))
+                if state != "running" and rng.random() < 0.7:
+                    results.append(ResultEntry(index, state, max(n, 1), 0, step + .5))
+            value = Batch(rng.choice(["n1", "n2"]), tuple(entries), tuple(results),
+                          tuple(reopened)).to_json()
+            events.append((f"{ks.block_batches(b)}{step:04d}", value))
+    return events
+
+
+def _tables(view: MeshView) -> tuple[object, ...]:
+    return (view.tasks, view.claims, {r: dict(a) for r, a in view.attempts.items() if a},
+            view.results, {k: +c for k, c in view.counts.items()},
+            {k: s for k, s in view.open.items() if s}, +view.block_open)
+
+
+def _replay(seed: int, after_each: Callable[[random.Random, MeshView, MeshView], None]
+            ) -> tuple[Keyspace, list[tuple[str, dict | None]], MeshView, MeshView]:
+    """A random history fed to an eager view and a deferring one; ``after_each`` runs
+    after every event. The keyspace, the history (event N at revision N+1), the views."""
+    ks = Keyspace("t")
+    rng = random.Random(seed)
+    events = _block_events(rng, ks)
+    eager, lazy = MeshView(ks), MeshView(ks)
+    lazy.defer_batches = True
+    for rev, (key, value) in enumerate(events, start=1):
+        for view in (eager, lazy):
+            view.apply(key, None if value is None else dumps(value), rev, rev)
+        after_each(rng, eager, lazy)
+    return ks, events, eager, lazy
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_deferred_batches_settle_to_what_applying_them_at_once_gives(seed: int) -> None:
+    """A node that does not lead applies batches only when asked (``settle``); what it
+    then has is what a view that applied every batch as it came has, and it knows which
+    blocks have unfinished tasks all along."""
+
+    def check(rng: random.Random, eager: MeshView, lazy: MeshView) -> None:
+        if rng.random() < 0.1:
+            lazy.settle(rng.choice([None, BlockRef("w", "e", 0)]))
+        for b in (BlockRef("w", "e", 0), BlockRef("w", "e", 4)):
+            refs = [TaskRef("w", "e", b.first + k) for k in range(4)]
+            unfinished = sum(1 for r in refs if r in eager.tasks and r not in eager.results)
+            assert lazy.block_unfinished(b) == eager.block_unfinished(b) == unfinished
+
+    ks, events, eager, lazy = _replay(seed, check)
+    rev = len(events)
+    lazy.settle()
+    assert _tables(lazy) == _tables(eager)
+    # Taking the lead: applies at once from then on.
+    lazy.set_defer_batches(False)
+    key, value = ks.block_claim(BlockRef("w", "e", 0)), {"node": "n3", "lease": 2}
+    for view in (eager, lazy):
+        view.apply(key, dumps(value), rev + 1, rev + 1)
+    assert _tables(lazy) == _tables(eager)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_deleting_a_workflows_batches_undoes_them_applied_or_deferred(seed: int) -> None:
+    def sometimes_settle(rng: random.Random, eager: MeshView, lazy: MeshView) -> None:
+        if rng.random() < 0.2:
+            lazy.settle()  # some batches applied, the later ones deferred
+
+    _, events, eager, lazy = _replay(seed, sometimes_settle)
+    rev = len(events)
+    for key in sorted({k for k, _ in events if "/bdone/" in k}):
+        rev += 1
+        for view in (eager, lazy):
+            view.apply(key, None, 0, rev)
+    lazy.settle()
+    assert _tables(lazy) == _tables(eager)
+    assert not eager.results and not any(eager.attempts.values())
+    assert eager.block_unfinished(BlockRef("w", "e", 0)) == 4
+    assert lazy.block_unfinished(BlockRef("w", "e", 4)) == 4

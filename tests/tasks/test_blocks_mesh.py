@@ -1,0 +1,140 @@
+"""Batched experiments on real agents and a real etcd: tasks claimed block by block and
+recorded in fenced batches keep every per-task guarantee (hypermesh/state/blocks.py). The death
+of a block's holder and a spot notice are tested beside the per-task case in test_mesh.py.
+
+Each test forces blocks with the recipe's ``batch``; deaths are SIGKILL of an agent and
+of every process it started, pauses SIGSTOP past the lease."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from hypermesh.local.mesh import wait_for
+from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.keyspace import Keyspace
+from tests.conftest import Mesh, process_gone, task_pid
+from tests.mesh.test_mesh import successes
+
+
+def keys_of(mesh: Mesh, kind: str, wid: str) -> list[str]:
+    async def read() -> list[str]:
+        async with Etcd(parse_endpoints(mesh.etcd.url)) as etcd:
+            kvs, _ = await etcd.get_prefix(Keyspace(mesh.namespace).kind_prefix(kind, wid))
+        return sorted(kv.key.decode() for kv in kvs)
+
+    return asyncio.run(read())
+
+
+def test_a_batched_experiment_runs_every_task_once_in_blocks(mesh: Mesh) -> None:
+    for name in ("node1", "node2", "node3"):
+        mesh.agent(name, slots=2)
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  sweep:
+    parameters: {x: {values: [a, 'b c', '$(touch /tmp/hm-pwned)']}}
+    samples: 30
+    batch: 4
+    command: ['test "$HM_PARAM_X" = {{x}} && echo {{task_index}} {{x}} > "$HM_ATTEMPT_DIR/out"']
+  after:
+    after: [sweep]
+    samples: 5
+    batch: 2
+    command: ['true']
+"""
+    )
+    wid = mesh.submit(recipe)
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded", status
+    tasks = mesh.hm_json("tasks", wid)
+    assert len(tasks) == 35
+    assert all(t["state"] == "succeeded" and successes(t) == 1 for t in tasks), tasks
+    assert all(len(t["attempts"]) == 1 and t["attempts"][0]["reason"] == "exit" for t in tasks)
+    # The work spread over the agents, and parameters reached the tasks as data.
+    assert len({t["node"] for t in tasks}) >= 2
+    assert not os.path.exists("/tmp/hm-pwned")
+    # Written as blocks (8 + 3), no per-task keys; every block claim given back.
+    assert len(keys_of(mesh, "block", wid)) == 11
+    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
+    assert keys_of(mesh, "bclaim", wid) == []
+
+
+def test_a_paused_holder_loses_its_block_and_its_late_results(mesh: Mesh) -> None:
+    paused = mesh.agent("node1")
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  one:
+    samples: 2
+    batch: 2
+    command: ['if [ "$HM_NODE" = node1 ]; then echo $$ > "$HM_ATTEMPT_DIR/pid"; exec sleep 60; fi']
+"""
+    )
+    wid = mesh.submit(recipe)
+    pid = task_pid(paused, f"{wid}.one.0")
+    # The start is recorded with the next flush: wait for it before the pause.
+    wait_for(lambda: any(t["state"] == "running" for t in mesh.hm_json("tasks", wid)), 15,
+             "the start to be recorded")
+    assert paused.proc is not None
+    os.kill(paused.proc.pid, signal.SIGSTOP)  # the node freezes past its 3 s lease
+    try:
+        mesh.agent("node2")
+        status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+        assert status["state"] == "succeeded"
+    finally:
+        os.kill(paused.proc.pid, signal.SIGCONT)
+    wait_for(lambda: process_gone(pid), 15, "the orphaned process to be killed")
+    wait_for(lambda: {n["name"] for n in mesh.hm_json("nodes")} == {"node1", "node2"}, 15, "rejoin")
+    tasks = mesh.hm_json("tasks", wid)
+    assert all(successes(t) == 1 for t in tasks)
+    first = next(t for t in tasks if t["index"] == 0)
+    assert [(a["node"], a["reason"]) for a in first["attempts"]] == [
+        ("node1", "node-lost"),
+        ("node2", "exit"),
+    ]
+
+
+def test_failed_tasks_retry_in_their_block_and_retry_reopens_them(mesh: Mesh) -> None:
+    mesh.agent("node1", slots=2)
+    marker = mesh.root / "fixed"
+    recipe = mesh.write_recipe(
+        f"""
+experiments:
+  flaky:
+    samples: 6
+    batch: 3
+    retries: 1
+    command: ['[ "$HM_TASK_INDEX" != 4 ] || [ -e {marker} ]']
+"""
+    )
+    wid = mesh.submit(recipe)
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+    assert status["state"] == "failed"
+    tasks = {t["index"]: t for t in mesh.hm_json("tasks", wid)}
+    assert [a["state"] for a in tasks[4]["attempts"]] == ["failed", "failed"]  # retried once
+    assert all(tasks[i]["state"] == "succeeded" for i in (0, 1, 2, 3, 5))
+    marker.touch()
+    done = mesh.hm("retry", wid)
+    assert done.returncode == 0, done.stderr
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+    assert status["state"] == "succeeded"
+    (task,) = [t for t in mesh.hm_json("tasks", wid) if t["index"] == 4]
+    assert [a["state"] for a in task["attempts"]] == ["failed", "failed", "succeeded"]
+
+
+def test_cancel_stops_a_held_block(mesh: Mesh) -> None:
+    agent = mesh.agent("node1", slots=2)
+    recipe = mesh.write_recipe(
+        "experiments:\n  long:\n    samples: 8\n    batch: 4\n"
+        "    command: ['echo $$ > \"$HM_ATTEMPT_DIR/pid\"; exec sleep 60']\n"
+    )
+    wid = mesh.submit(recipe)
+    pid = task_pid(agent, f"{wid}.long.0")
+    done = mesh.hm("cancel", wid)
+    assert done.returncode == 0, done.stderr
+    wait_for(lambda: process_gone(pid), 15, "the cancelled task's process to end")
+    wait_for(lambda: keys_of(mesh, "bclaim", wid) == [], 15, "the block to be given back")
+    states = {t["state"] for t in mesh.hm_json("tasks", wid)}
+    assert states == {"cancelled"}
