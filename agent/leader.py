@@ -1,4 +1,5 @@
-"""The leader's decisions. Pure: reads a view, returns actions for the I/O layer.
+"""The leader's decisions. Pure: reads a view, returns actions for the I/O layer
+(``agent/leader_duty.py``).
 
 The leader expands an experiment into tasks once every experiment it comes
 ``after`` has succeeded, writes the tasks of samples added to a running
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypermesh.state.model import TERMINAL, MeshView
+from hypermesh.state.records import TERMINAL
 from hypermesh.state.search import DEFAULT_PARALLELISM, is_adaptive, next_indices
+from hypermesh.state.view import MeshView
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The agent's gRPC service: node status, attempt logs, drain.
+"""The agent's gRPC service: node status, attempt logs, drain, gossip, telemetry and chunks.
 
 Errors become gRPC status codes here and nowhere else.
 """
@@ -9,25 +9,59 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.gossip.link import serve_stream
 from hypermesh.agent.ops.telemetry import cpu_percent
 from hypermesh.agent.share.duty import PeerLost, stream_pieces
-
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.state.keyspace import TaskRef
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.gossip.duty import Gossip
+    from hypermesh.agent.ops.telemetry import Telemetry
+    from hypermesh.agent.share.duty import ChunkShare
+    from hypermesh.agent.tasks.attempts import Attempts
+    from hypermesh.agent.tasks.running import Running
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.records import NodeRecord
+    from hypermesh.state.view import MeshView
 
 CHUNK = 64 * 1024
 FOLLOW_POLL_S = 0.2
 
 
+class ServedAgent(Protocol):
+    """What the gRPC service uses of its agent. ``Drain`` replaces ``cfg`` (with the
+    grace it was given) and asks for a drain; the rest only reads."""
+
+    cfg: AgentConfig
+    state: str
+    lease: int
+    started_at: float
+    metrics_address: str
+    running: dict[TaskRef, Running]
+    attempts: Attempts
+    gossip: Gossip
+    share: ChunkShare
+    telemetry: Telemetry
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def record(self) -> NodeRecord: ...
+
+    def full_view(self) -> MeshView: ...
+
+    def request_drain(self, grace: float | None = None, why: str = ...) -> None: ...
+
+
 class AgentServicer(agent_pb2_grpc.AgentServicer):
-    def __init__(self, agent: Agent) -> None:
+    """The handlers of one agent's gRPC API, on the agent's event loop."""
+
+    def __init__(self, agent: ServedAgent) -> None:
         self.agent = agent
 
     async def GetNode(
@@ -68,13 +102,13 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         ran_here = {n for n, at in attempts.items() if at.node == a.cfg.name}
         attempt = request.attempt
         if attempt <= 0:
-            ran = set(_attempts_logged(a.attempt_log(ref, 1))) | ran_here
+            ran = set(_attempts_logged(a.attempts.attempt_log(ref, 1))) | ran_here
             if not ran:
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND, f"node {a.cfg.name} has no log of task {ref}"
                 )
             attempt = max(ran)
-        path = a.attempt_log(ref, attempt)
+        path = a.attempts.attempt_log(ref, attempt)
         if not path.exists() and not self._running(ref, attempt):
             if attempt in ran_here:
                 return  # it ran here and wrote nothing

@@ -25,7 +25,6 @@ from hypermesh.chunkfs import format as fmt
 from hypermesh.chunkfs.format import ChunkInfo, Root
 from hypermesh.chunkfs.manifest import Manifest, decode_root
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
-
 from hypermesh.errors import CorruptData, FatalError, NoSuchObject, NotFound, UsageError
 
 __all__ = [

@@ -64,7 +64,6 @@ from hypermesh.chunkfs.format import (
     names,
 )
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
-
 from hypermesh.errors import CorruptData, HypermeshError, NoSuchObject, StoreUnavailable
 
 log = logging.getLogger(__name__)

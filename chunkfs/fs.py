@@ -33,15 +33,15 @@ import stat
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import pyfuse3
+
 from hypermesh.chunkfs.fetch import FileReader, PagePush, Readahead
 from hypermesh.chunkfs.format import Entry, Root
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs, OutStat
 from hypermesh.chunkfs.pagepush import PagePusher
-
 from hypermesh.errors import HypermeshError, NotFound, UsageError
 
 log = logging.getLogger(__name__)
@@ -392,9 +392,10 @@ class ChunkFS(pyfuse3.Operations):
             if cached is not None:  # a small file's bytes already here: no thread hop
                 return cached
             # bytes, or a memoryview into a fetched run: pyfuse3 replies from any buffer
-            return await _thread(
+            # (its stub says bytes)
+            return cast(bytes, await _thread(
                 self.files.read, handle.entry, off, size, handle.readahead, handle.push
-            )
+            ))
         kind, value = handle
         if kind == "stats":
             return bytes(value[off : off + size])

@@ -45,7 +45,6 @@ from hypermesh.chunkfs.format import (
     Root,
     page_key,
 )
-
 from hypermesh.errors import CorruptData, FatalError
 
 __all__ = [

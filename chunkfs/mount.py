@@ -45,9 +45,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
+
 from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
 from hypermesh.chunkfs.buffers import BufferPool
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
@@ -57,7 +58,6 @@ from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_elsewhere, write_rea
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
-
 from hypermesh.errors import HypermeshError, UsageError
 from hypermesh.recipe.units import parse_duration, parse_size
 
@@ -126,9 +126,10 @@ def serve(
     """
     import pyfuse3
     import pyfuse3.asyncio
+
     from hypermesh.chunkfs import fusewait
     from hypermesh.chunkfs.fs import ChunkFS
-    from hypermesh.chunkfs.pagepush import PagePusher
+    from hypermesh.chunkfs.pagepush import PagePusher, Store
 
     mountpoint = mountpoint.absolute()
     _check_mountpoint(mountpoint)
@@ -169,7 +170,9 @@ def serve(
             "buffers": {"pooled": len(reader.buffers), "fresh": reader.buffers.fresh},
         }
 
-    pusher = PagePusher(pyfuse3.notify_store, cache.stats) if push_pages else None
+    # pyfuse3's stub says ``bytes``; notify_store takes any buffer (it copies from a view).
+    notify_store = cast(Store, pyfuse3.notify_store)
+    pusher = PagePusher(notify_store, cache.stats) if push_pages else None
     ops = ChunkFS(
         root,
         manifest,

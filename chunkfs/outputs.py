@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
-
 from hypermesh.errors import NoSuchObject
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,6 @@ from hypermesh.chunkfs.format import (
 )
 from hypermesh.chunkfs.manifest import encode_page, encode_root, page_digest, version_name
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
-
 from hypermesh.errors import FatalError, UsageError
 
 __all__ = ["PutProgress", "block_list_of", "put_dataset", "walk_entries"]

@@ -38,7 +38,6 @@ from hypermesh.agent.burst.policy import (
     Starting,
     decide,
 )
-
 from hypermesh.state.pools import Pool
 
 

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from hypermesh.chunkfs.format import chunk_key
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
 from hypermesh.local.s3server import S3Server
 
 MiB = 1 << 20

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import psutil
+
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
 from hypermesh.local.s3server import S3Server
 
 sys.path.insert(0, str(Path(__file__).parent))

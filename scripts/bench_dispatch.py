@@ -43,7 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.mesh import LocalMesh, etcd_binary, hypermesh_command, wait_for
+from hypermesh.local.agents import hypermesh_command
+from hypermesh.local.etcd import etcd_binary
+from hypermesh.local.mesh import LocalMesh
+from hypermesh.local.processes import wait_for
 
 SUBMIT_TIMEOUT_S = 600.0
 """Upper bound on one ``submit --wait`` (and on one xargs run), in seconds."""

@@ -48,7 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.mesh import LocalMesh, hypermesh_command, wait_for
+from hypermesh.local.agents import hypermesh_command
+from hypermesh.local.mesh import LocalMesh
+from hypermesh.local.processes import wait_for
 
 MIB = 1 << 20
 EPOCH_TIMEOUT_S = 600.0

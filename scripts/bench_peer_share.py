@@ -37,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.local.mesh import AgentProcess, EtcdServer, unmount_under, wait_for
+from hypermesh.local.agents import AgentProcess
+from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.processes import unmount_under, wait_for
 from hypermesh.local.s3server import S3Server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

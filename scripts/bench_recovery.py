@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.cli.main import load_view
-from hypermesh.local.mesh import AgentProcess, LocalMesh, hypermesh_command, wait_for
+from hypermesh.cli.common import load_view
+from hypermesh.local.agents import AgentProcess, hypermesh_command
+from hypermesh.local.mesh import LocalMesh
+from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.keyspace import Keyspace
 

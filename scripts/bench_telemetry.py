@@ -25,9 +25,9 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
 from hypermesh.agent.ops.gpus import open_gpus
 from hypermesh.agent.ops.telemetry import Sampler, TaskRoot
-
 from hypermesh.local.mesh import LocalMesh
 
 

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.mesh import LocalMesh, hypermesh_command
+from hypermesh.local.agents import hypermesh_command
+from hypermesh.local.mesh import LocalMesh
 
 
 def cli(env: dict[str, str], *args: str, timeout: float = 60) -> Any:

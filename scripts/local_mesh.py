@@ -25,7 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-from hypermesh.local.mesh import LocalMesh, hypermesh_command
+from hypermesh.local.agents import hypermesh_command
+from hypermesh.local.mesh import LocalMesh
 
 ROOT = Path(__file__).resolve().parent.parent
 

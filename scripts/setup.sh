@@ -63,7 +63,7 @@ if ! .venv/bin/python -c "import torch.distributed as d; assert d.is_gloo_availa
     exit 1
   fi
 fi
-.venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.local.mesh as m; m.etcd_binary()
+.venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.local.etcd as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.local.s3server as s; s.weed_binary()
 import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
 import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate" \

@@ -21,16 +21,11 @@ from typing import Any
 
 import psutil
 import pytest
-from hypermesh.chunkfs.store import S3Store
 
-from hypermesh.local.mesh import (
-    AgentProcess,
-    EtcdServer,
-    mesh_agents,
-    stop_all,
-    unmount_under,
-    wait_for,
-)
+from hypermesh.chunkfs.store import S3Store
+from hypermesh.local.agents import AgentProcess, mesh_agents, stop_all
+from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.processes import unmount_under, wait_for
 from hypermesh.local.s3server import S3Server
 from hypermesh.state.keyspace import TaskRef
 

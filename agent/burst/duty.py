@@ -20,9 +20,10 @@ import logging
 import secrets
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.agent.burst import view as burst_view
+from hypermesh.agent.burst.kinds import make_provisioner
 from hypermesh.agent.burst.policy import (
     BurstConfig,
     Forget,
@@ -39,25 +40,51 @@ from hypermesh.agent.burst.provisioner import (
     Provisioner,
     ProvisionError,
     launch_with_fallback,
-    make_provisioner,
 )
-
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost, UsageError
-from hypermesh.state.model import dumps
 from hypermesh.state.pools import Pool
+from hypermesh.state.records import dumps
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from pathlib import Path
+
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
+    from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
 
 LAUNCH_PARALLEL = 8  # provider calls in flight at once when a tick starts many nodes
 
 
-class BurstDuty:
-    """Owned by one agent; acts only while that agent leads."""
+class BurstHost(Protocol):
+    """What :class:`BurstDuty` uses of its agent (it changes none of it)."""
 
-    def __init__(self, agent: Agent, cfg: BurstConfig) -> None:
+    cfg: AgentConfig
+    ks: Keyspace
+    etcd: Etcd
+    view: MeshView
+    work_dir: Path
+    state: str
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def lease_is_lost(self) -> bool: ...
+
+    def full_view(self) -> MeshView: ...
+
+    def decide(self, message: str) -> None: ...
+
+
+class BurstDuty:
+    """Owned by one agent; acts only while that agent leads. Only its own loop changes
+    its state (what it learned as leader: backlog times, preemptions, usage not yet
+    written)."""
+
+    def __init__(self, agent: BurstHost, cfg: BurstConfig) -> None:
         self.agent = agent
         self.cfg = cfg
         self.ks = agent.ks

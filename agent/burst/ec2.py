@@ -24,8 +24,8 @@ from typing import Any
 
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
-from hypermesh.agent.burst.provisioner import CapacityRefused, Context, NodeSpec, ProvisionError
 
+from hypermesh.agent.burst.provisioner import CapacityRefused, Context, NodeSpec, ProvisionError
 from hypermesh.state.pools import Pool
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import signal
 from pathlib import Path
 
 import psutil
-from hypermesh.agent.burst.provisioner import Context, NodeSpec, ProvisionError
 
-from hypermesh.local.mesh import AgentProcess
+from hypermesh.agent.burst.provisioner import Context, NodeSpec, ProvisionError
+from hypermesh.local.agents import AgentProcess
 from hypermesh.state.pools import Pool
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,8 @@ it did not start. The leader remembers each node it asked for in etcd
   in its own work directory; what the tests and the local mesh burst with.
 - ``ec2`` (``agent/burst/ec2.py``): EC2 instances from a launch template or an
   AMI, spot through the instance market options, tagged as ours.
+
+``agent/burst/kinds.py`` picks the one a pool's ``kind`` names.
 """
 
 from __future__ import annotations
@@ -108,15 +110,3 @@ def launch_with_fallback(provisioner: Provisioner, spec: NodeSpec) -> Started:
         on_demand = NodeSpec(spec.name, spec.pool, spot=False)
         return Started(provisioner.launch(on_demand), False, str(exc))
 
-
-def make_provisioner(pool: Pool, ctx: Context) -> Provisioner:
-    """The provisioner of ``pool``'s kind."""
-    if pool.kind == "local":
-        from hypermesh.agent.burst.local import LocalProvisioner
-
-        return LocalProvisioner(pool, ctx)
-    if pool.kind == "ec2":
-        from hypermesh.agent.burst.ec2 import Ec2Provisioner
-
-        return Ec2Provisioner(pool, ctx)
-    raise ProvisionError(f"pool {pool.name!r} of kind {pool.kind!r} has no provisioner")

@@ -13,10 +13,10 @@ from statistics import fmean
 
 from hypermesh.agent.burst.policy import Backlog, NodeState, Starting
 from hypermesh.agent.claims.choose import fits
-
 from hypermesh.recipe.recipe import Experiment
-from hypermesh.state.model import TERMINAL, MeshView, NodeRecord
 from hypermesh.state.pools import Pool
+from hypermesh.state.records import TERMINAL, NodeRecord
+from hypermesh.state.view import MeshView
 
 BIG = 1e12  # a provisioned node's CPUs and memory are not declared: assume they fit
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from hypermesh.agent.claims.placement import Placement
 from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.tasks.gpu_pool import GpuInfo, GpuPool
-
 from hypermesh.recipe.recipe import Experiment, Hardware
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import TERMINAL, MeshView, NodeRecord
+from hypermesh.state.records import TERMINAL, NodeRecord
 from hypermesh.state.txns import ClaimPlan
+from hypermesh.state.view import MeshView
 
 
 @dataclass

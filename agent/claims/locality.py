@@ -41,12 +41,12 @@ from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.format import Root
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.store import ObjectStore, open_store
-
 from hypermesh.errors import HypermeshError
 from hypermesh.recipe.inputs import render_input
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import TERMINAL, MeshView
+from hypermesh.state.records import TERMINAL
+from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
 

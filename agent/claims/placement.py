@@ -38,7 +38,7 @@ from typing import Protocol
 
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import NodeRecord
+from hypermesh.state.records import NodeRecord
 
 LOOKAHEAD = 256  # open tasks per experiment ranked in one claim round
 DEFAULT_DELAY_S = 3.0

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import NodeRecord
+from hypermesh.state.records import NodeRecord
 
 LOOKAHEAD = 256  # open tasks per experiment weighed in one claim round
 DEFAULT_DELAY_S = 5.0

@@ -18,9 +18,9 @@ from hypermesh.agent.claims.choose import allowed_on
 from hypermesh.agent.claims.placement import prune_since
 from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.claims.wake_timer import WakeTimer
-
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import MeshView, NodeRecord
+from hypermesh.state.records import NodeRecord
+from hypermesh.state.view import MeshView
 
 
 class PoolWait:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.state.model import Attempt
+from hypermesh.state.records import Attempt
 from hypermesh.state.txns import ClaimPlan, finish_attempt
 
 

@@ -18,24 +18,33 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.agent.gang import policy as gang
 from hypermesh.agent.ops.telemetry import TaskRoot
 from hypermesh.agent.tasks.containers import image_for
 from hypermesh.agent.tasks.gpu_pool import visible_devices
 from hypermesh.agent.tasks.runner import AttemptProcess, Outcome
-
+from hypermesh.agent.tasks.running import Running
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.recipe.templating import render
 from hypermesh.state import gang_txns
 from hypermesh.state.gangs import MemberEnd, Rendezvous
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import Attempt
+from hypermesh.state.records import Attempt
 from hypermesh.state.txns import ClaimPlan, Finish
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.ops.telemetry import Machine
+    from hypermesh.agent.tasks.attempts import Attempts
+    from hypermesh.agent.tasks.containers import Containers
+    from hypermesh.agent.tasks.gpu_pool import DeviceSource, GpuPool
+    from hypermesh.agent.tasks.logs import LogShipper
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
+    from hypermesh.state.records import NodeRecord
+    from hypermesh.state.view import MeshView
 
 log = logging.getLogger("hypermesh.agent")
 
@@ -56,10 +65,50 @@ def gang_checkpoint_dir(workdir: Path, ref: TaskRef) -> Path:
     return workdir / CHECKPOINTS / ref.id
 
 
-class GangDuty:
-    """This agent's seats in gangs and their processes."""
+class GangHost(Protocol):
+    """What :class:`GangDuty` uses of its agent. It writes ``written_revision`` (never
+    lowers it), sets ``lease_lost`` when a write meets ``LeaseLost``, and runs its member
+    processes through the agent's attempts (their folders, environment and watch)."""
 
-    def __init__(self, agent: Agent) -> None:
+    cfg: AgentConfig
+    view: MeshView
+    etcd: Etcd
+    ks: Keyspace
+    lease: int
+    address: str
+    work_dir: Path
+    base_env: dict[str, str]
+    machine: Machine
+    gpu_source: DeviceSource
+    gpu_pool: GpuPool
+    containers: Containers
+    logs: LogShipper
+    attempts: Attempts
+    running: dict[TaskRef, Running]
+    claiming: set[TaskRef]
+    written_revision: int
+    drain_grace: float | None
+    mirror_ready: asyncio.Event
+    stopping: asyncio.Event
+    lease_lost: asyncio.Event
+
+    @property
+    def lease_is_lost(self) -> bool: ...
+
+    def lease_fresh(self) -> bool: ...
+
+    def record(self) -> NodeRecord: ...
+
+    def decide(self, message: str) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class GangDuty:
+    """This agent's seats in gangs and their processes. Only the agent's event loop
+    touches its state; only this duty changes it."""
+
+    def __init__(self, agent: GangHost) -> None:
         self.agent = agent
         self.cfg = gang.GangConfig.local() if agent.cfg.preset == "local" else gang.GangConfig.lan()
         self.members: dict[TaskRef, gang.Member] = {}
@@ -106,7 +155,7 @@ class GangDuty:
 
     async def run(self) -> None:
         agent = self.agent
-        await agent._mirror_ready.wait()
+        await agent.mirror_ready.wait()
         while True:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # arrives as the event fires, and the agent's stop would wait for this loop.
@@ -122,7 +171,7 @@ class GangDuty:
             try:
                 await self._tick()
             except LeaseLost:
-                agent._lease_lost.set()
+                agent.lease_lost.set()
             except EtcdUnavailable as exc:
                 log.warning("%s: gangs: %s", agent.cfg.name, exc)
 
@@ -132,7 +181,7 @@ class GangDuty:
                 - len(self.joining))
         actions = gang.plan(
             agent.view, agent.record(), self.members, self.backoff, free, time.monotonic(),
-            self.cfg, accepting=not agent._stop.is_set(),
+            self.cfg, accepting=not agent.stopping.is_set(),
         )
         for action in actions:
             await self._do(action)
@@ -159,7 +208,7 @@ class GangDuty:
                 self.backoff[action.ref] = time.monotonic() + self.cfg.backoff_s
             self._forget(action.ref)
             agent.decide(f"left gang {action.ref} rank {m.rank} ({action.why})")
-            agent._wake.set()  # its slot is free for ordinary claims
+            agent.wake()  # its slot is free for ordinary claims
         elif isinstance(action, gang.Start):
             await self._start(action.plan, action.seats)
         elif isinstance(action, gang.Launch):
@@ -299,16 +348,17 @@ class GangDuty:
         commands = [render(c, values) for c in exp.command]
         workdir = Path(wf.workdir or agent.work_dir)
         devices = self.devices.get(ref, [])
-        env = agent._environment(ref, n, params, agent.attempt_path(ref, n))
+        attempts = agent.attempts
+        env = attempts.environment(ref, n, params, attempts.attempt_path(ref, n))
         env.update(CUDA_VISIBLE_DEVICES=visible_devices(devices), CUDA_DEVICE_ORDER="PCI_BUS_ID")
-        env.update(await agent._data_environment(ref, dict(exp.data)))
+        env.update(await attempts.data_environment(ref, dict(exp.data)))
         if not exp.data:
             checkpoints = gang_checkpoint_dir(workdir, ref)
             await asyncio.to_thread(checkpoints.mkdir, parents=True, exist_ok=True)
             env["HM_CHECKPOINT_DIR"] = str(checkpoints)
         env.update(gang.rendezvous_env(ref, m.rank, rdv))
-        agent.open_attempt_dir(ref, n)
-        log_path = agent.attempt_log(ref, n)
+        attempts.open_attempt_dir(ref, n)
+        log_path = attempts.attempt_log(ref, n)
         image = image_for(exp.framework, exp.image)
         if image is not None:
             commands, runtime = await agent.containers.wrap(
@@ -319,16 +369,14 @@ class GangDuty:
         process = AttemptProcess(commands, env=env, cwd=workdir, log_path=log_path,
                                  timeout=exp.timeout, grace=agent.cfg.kill_grace)
         self.processes[ref] = process
-        if m.stopping or agent._stop.is_set():
+        if m.stopping or agent.stopping.is_set():
             process.stop("preempted", grace=agent.drain_grace)
         agent.decide(f"{ref} attempt {n} rank {m.rank} of {len(rdv.seats)} running "
                      f"(master {rdv.master_addr}:{rdv.master_port})")
         if m.rank != 0:  # rank 0 speaks for the gang: its log and metrics are the task's
             return _end(await process.run())
-        from hypermesh.agent.daemon import Running
-
         running = Running(ClaimPlan(ref, n), rdv.revision, exp.hardware.gpus)
-        outcome = await agent.run_watched(running, exp, process, log_path)
+        outcome = await attempts.run_watched(running, exp, process, log_path)
         agent.logs.after_end(ref, n, log_path)
         return _end(outcome)
 

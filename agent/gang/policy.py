@@ -50,11 +50,11 @@ from dataclasses import dataclass
 from functools import partial
 
 from hypermesh.agent.claims.choose import fits
-
 from hypermesh.state.gangs import MemberEnd, Rendezvous, combine, live_nodes_for
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import TERMINAL, MeshView, NodeRecord
+from hypermesh.state.records import TERMINAL, NodeRecord
 from hypermesh.state.txns import ClaimPlan
+from hypermesh.state.view import MeshView
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def _join(view: MeshView, node: NodeRecord, members: dict[TaskRef, Member],
                 continue
             if exp.pools and node.pool not in exp.pools:
                 continue
-            if live_nodes_for(view, exp, partial(fits, exp.hardware)) < exp.nodes:
+            if live_nodes_for(view.nodes, exp, partial(fits, exp.hardware)) < exp.nodes:
                 continue  # it could never fill now
             workers = view.workers(wf.id, exp)
             if workers is not None and len(view.slots.get((wf.id, name), ())) >= workers:

@@ -20,20 +20,26 @@ import logging
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
+
+from hypermesh._proto import agent_pb2
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.link import PeerLink
 from hypermesh.agent.gossip.swim import Message, Outgoing, Swim
 from hypermesh.chunkfs.holdings import SOURCES, merge
-
-from hypermesh._proto import agent_pb2
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
-    from hypermesh.agent.tasks.mounts import CacheScan
+    from hypermesh.agent.ops.telemetry import Machine
+    from hypermesh.agent.share.duty import ChunkShare
+    from hypermesh.agent.tasks.mounts import CacheScan, Mounts
+    from hypermesh.agent.tasks.running import Running
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import TaskRef
+    from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +64,34 @@ def _encode(out: Outgoing) -> bytes:
     return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
 
 
-class Gossip:
-    """One agent's membership in the gossip mesh. Owned by the agent's event loop."""
+class GossipHost(Protocol):
+    """What :class:`Gossip` uses of its agent: its identity and load for the meta, its
+    lease's health before acting on a verdict, the chunk share it feeds, and etcd to
+    revoke a dead node's lease. It changes none of the agent's state."""
 
-    def __init__(self, agent: Agent, cfg: GossipConfig) -> None:
+    cfg: AgentConfig
+    address: str
+    state: str
+    machine: Machine
+    view: MeshView
+    etcd: Etcd
+    running: dict[TaskRef, Running]
+    share: ChunkShare
+    mounts: Mounts
+
+    @property
+    def lease_is_lost(self) -> bool: ...
+
+    def lease_fresh(self) -> bool: ...
+
+    def decide(self, message: str) -> None: ...
+
+
+class Gossip:
+    """One agent's membership in the gossip mesh. Owned by the agent's event loop;
+    only this class and the gRPC servicer's calls into :meth:`receive` change it."""
+
+    def __init__(self, agent: GossipHost, cfg: GossipConfig) -> None:
         self.agent = agent
         self.cfg = cfg
         self.swim: Swim | None = None
@@ -320,8 +350,8 @@ class Gossip:
         if delay:
             await asyncio.sleep(delay)
             node = a.view.nodes.get(member)
-            alive = self.swim is not None and (m := self.swim.member(member)) is not None
-            if node is None or node.lease != lease or (alive and m.state == "alive"):
+            seen = self.swim.member(member) if self.swim is not None else None
+            if node is None or node.lease != lease or (seen is not None and seen.state == "alive"):
                 return  # revoked by the leader meanwhile, or refuted
             a.decide(f"gossip: {member} is dead and the leader has not acted; revoking")
         a.decide(f"gossip: {member} is dead; revoking its lease {lease:x}")

@@ -24,19 +24,24 @@ from __future__ import annotations
 import json
 import socket
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
+
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry, message_json
 from hypermesh.agent.tasks.logs import stream_log
-
 from hypermesh.errors import HypermeshError, NotFound
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.node_rows import gossip_table, node_rows
 from hypermesh.state.pools import parse_pools, usage_cost
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.gossip.duty import Gossip
+    from hypermesh.agent.ops.telemetry import Telemetry
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
+    from hypermesh.state.view import MeshView
 
 LOG_PAGE = 1 << 20  # most bytes of a log one request returns
 TELEMETRY_WAIT_S = 1.0  # how long /api/nodes waits for a node's telemetry (page polls at 1 s)
@@ -47,10 +52,24 @@ def _static(name: str) -> bytes:
     return resources.files("hypermesh.agent.ops").joinpath("static", name).read_bytes()
 
 
+class DashboardAgent(Protocol):
+    """What the dashboard reads of the agent (it changes none of it)."""
+
+    cfg: AgentConfig
+    ks: Keyspace
+    etcd: Etcd
+    view: MeshView
+    gossip: Gossip
+    telemetry: Telemetry
+    metrics_address: str
+
+    def full_view(self) -> MeshView: ...
+
+
 class Dashboard:
     """Request handlers; they read the agent's state and never change it."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: DashboardAgent) -> None:
         self.agent = agent
 
     async def page(self, request: web.Request) -> web.Response:
@@ -179,7 +198,7 @@ def _error(kind: type[web.HTTPError], message: str) -> web.HTTPError:
     return kind(text=json.dumps({"error": message}), content_type="application/json")
 
 
-def make_app(agent: Agent) -> web.Application:
+def make_app(agent: DashboardAgent) -> web.Application:
     d = Dashboard(agent)
     app = web.Application()
     for path in STATIC:
@@ -191,7 +210,7 @@ def make_app(agent: Agent) -> web.Application:
     return app
 
 
-async def serve(agent: Agent, sock: socket.socket) -> web.AppRunner:
+async def serve(agent: DashboardAgent, sock: socket.socket) -> web.AppRunner:
     """Serve the dashboard on the bound ``sock``; ``cleanup()`` of the runner stops it."""
     runner = web.AppRunner(make_app(agent), access_log=None)
     await runner.setup()

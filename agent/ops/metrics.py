@@ -26,14 +26,11 @@ import contextlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hypermesh.agent.ops.health import serving
-from hypermesh.agent.ops.usage import NodeSample, TaskUsage
-from hypermesh.chunkfs.mount import STATS_FILE
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -42,11 +39,18 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from hypermesh.agent.ops.health import serving
+from hypermesh.agent.ops.usage import NodeSample, TaskUsage
+from hypermesh.chunkfs.mount import STATS_FILE
 from hypermesh.errors import HypermeshError
-from hypermesh.state.model import Attempt
+from hypermesh.state.records import Attempt
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.gossip.duty import Gossip
+    from hypermesh.agent.ops.telemetry import Telemetry
+    from hypermesh.agent.tasks.mounts import Mounts
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,28 @@ class Snapshot:
     task_usage: list[TaskUsage] = field(default_factory=list)
 
 
-def snapshot(agent: Agent) -> Snapshot:
+class MeteredAgent(Protocol):
+    """What a scrape reads of the agent (it changes none of it)."""
+
+    cfg: AgentConfig
+    state: str
+    telemetry: Telemetry
+    gossip: Gossip
+    mounts: Mounts
+
+    @property
+    def running(self) -> Sized: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    @property
+    def lease_is_lost(self) -> bool: ...
+
+    def full_view(self) -> MeshView: ...
+
+
+def snapshot(agent: MeteredAgent) -> Snapshot:
     """This agent's state now. Call on the agent's event loop."""
     view = agent.full_view()
     snap = Snapshot(
@@ -280,14 +305,15 @@ def _telemetry_families(s: Snapshot) -> Iterable[Metric]:
                                  labels=gpu_labels)
         for gpu in t.gpus:
             key = [s.node, str(gpu.index), gpu.name]
-            for family, value in (
+            figures: tuple[tuple[GaugeMetricFamily, float | None], ...] = (
                 (util, gpu.utilization_percent),
                 (used, gpu.memory_used),
                 (total, gpu.memory_total),
                 (temp, gpu.temperature_c),
-            ):
-                if value is not None:  # a figure the GPU does not report is absent
-                    family.add_metric(key, value)
+            )
+            for family, figure in figures:
+                if figure is not None:  # a figure the GPU does not report is absent
+                    family.add_metric(key, figure)
         out += [util, used, total, temp]
     task_labels = ["node", "task", "attempt"]
     cpu = GaugeMetricFamily("hypermesh_task_cpu_percent",
@@ -324,7 +350,7 @@ def exposition(s: Snapshot) -> bytes:
 class MetricsServer:
     """``/metrics`` of one agent on an asyncio server. Only the agent's loop uses it."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: MeteredAgent) -> None:
         self.agent = agent
         self.address = ""
         self._server: asyncio.Server | None = None

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
+
+from hypermesh._proto import agent_pb2
 from hypermesh.agent.ops.gpus import GpuSource, open_gpus
 from hypermesh.agent.ops.usage import (
     Counters,
@@ -30,8 +32,6 @@ from hypermesh.agent.ops.usage import (
     per_second,
     tree_cpu_seconds,
 )
-
-from hypermesh._proto import agent_pb2
 
 if TYPE_CHECKING:
     from hypermesh.agent.tasks.mounts import CacheScan

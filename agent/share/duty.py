@@ -34,18 +34,22 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import grpc
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.share.config import ShareConfig, transfer_deadline
 from hypermesh.agent.share.peers import ChunkPeers, race_delay
 from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_range, write_elsewhere
-
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.errors import HypermeshError
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.gossip.swim import Swim
+    from hypermesh.agent.tasks.mounts import Mounts
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +69,32 @@ class PeerLost(Exception):
     """A peer failed in the middle of a transfer that was being passed on."""
 
 
-class ChunkShare:
-    """This node's part in peer chunk sharing; see the module docstring."""
+class PeerChannels(Protocol):
+    """What the chunk share uses of gossip: who is alive where, and a channel to each."""
 
-    def __init__(self, agent: Agent, cfg: ShareConfig) -> None:
+    @property
+    def swim(self) -> Swim | None: ...
+
+    def data_channel(self, address: str) -> grpc.aio.Channel: ...
+
+
+class ShareHost(Protocol):
+    """What :class:`ChunkShare` uses of its agent (it changes none of it)."""
+
+    cfg: AgentConfig
+    ks: Keyspace
+    etcd: Etcd
+    mounts: Mounts
+
+    @property
+    def gossip(self) -> PeerChannels: ...
+
+
+class ChunkShare:
+    """This node's part in peer chunk sharing; see the module docstring. Owned by the
+    agent's event loop: gossip feeds it, the gRPC servicer and the mounts' fetches read it."""
+
+    def __init__(self, agent: ShareHost, cfg: ShareConfig) -> None:
         self.agent = agent
         self.cfg = cfg
         self.peers = ChunkPeers(agent.cfg.name, cfg.max_delta_bytes)

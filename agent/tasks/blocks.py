@@ -24,18 +24,22 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.agent.claims.choose import allowed_on
-
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
 from hypermesh.state.keyspace import BlockRef, TaskRef
-from hypermesh.state.model import COUNTED_REASONS, TERMINAL, MeshView, NodeRecord
+from hypermesh.state.records import COUNTED_REASONS, TERMINAL, NodeRecord
+from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent
+    from hypermesh.agent.claims.unsure import UnsureClaims
+    from hypermesh.agent.tasks.running import Running
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +107,34 @@ def choose_block(
     return None
 
 
-class BlockDuty:
-    """The blocks one agent holds. Runs on the agent's event loop."""
+class BlockHost(Protocol):
+    """What :class:`BlockDuty` uses of its agent. It writes ``written_revision`` (never
+    lowers it) and stops the processes of a lost block's attempts in ``running``."""
 
-    def __init__(self, agent: Agent) -> None:
+    cfg: AgentConfig
+    ks: Keyspace
+    etcd: Etcd
+    view: MeshView
+    lease: int
+    unsure: UnsureClaims
+    running: dict[TaskRef, Running]
+    written_revision: int
+
+    @property
+    def lease_is_lost(self) -> bool: ...
+
+    def lease_fresh(self) -> bool: ...
+
+    def decide(self, message: str) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class BlockDuty:
+    """The blocks one agent holds. Runs on the agent's event loop; only it changes
+    ``held``, and the attempts' task tells it of each end (:meth:`ended`)."""
+
+    def __init__(self, agent: BlockHost) -> None:
         self.agent = agent
         self.held: dict[BlockRef, HeldBlock] = {}
         self._seq = 0
@@ -266,7 +294,7 @@ class BlockDuty:
                                            self.batch_key(block.ref), batch, release)
                 break
             except EtcdUnavailable as exc:
-                if agent.lease_is_lost() or not agent.lease_fresh():
+                if agent.lease_is_lost or not agent.lease_fresh():
                     return
                 log.warning("flushing block %s: %s", block.ref, exc)
                 await asyncio.sleep(delay)
@@ -276,8 +304,8 @@ class BlockDuty:
         if written is None:
             self.held.pop(block.ref, None)
             agent.decide(f"block {block.ref}: claim no longer ours; its results rejected")
-            agent.stop_block(block.ref, [block.ref.task(i - block.ref.first)
-                                         for i in block.running])
+            self._stop_attempts(block.ref, [block.ref.task(i - block.ref.first)
+                                            for i in block.running])
             return
         agent.written_revision = max(agent.written_revision, written)
         for key, entry in flushed.items():
@@ -289,3 +317,12 @@ class BlockDuty:
             done = "done" if block.complete else "released"
             agent.decide(f"block {block.ref} {done}")
             agent.wake()
+
+    def _stop_attempts(self, bref: BlockRef, refs: list[TaskRef]) -> None:
+        """A held block's claim is gone: its attempts here stop now (their results
+        would be rejected, and a peer may be running them already)."""
+        running = self.agent.running
+        for ref in refs:
+            r = running.get(ref)
+            if r is not None and r.block == bref and r.process is not None:
+                r.process.stop("node-lost", grace=0)

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Protocol
 
 from hypermesh.agent.ops.gpus import GpuSource, open_gpus
-
 from hypermesh.recipe.recipe import Hardware
 
 ENV_FAKE_NVML = "HYPERMESH_FAKE_NVML"

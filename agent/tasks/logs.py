@@ -31,7 +31,7 @@ from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.errors import HypermeshError, NoSuchObject, NotFound
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import MeshView
+from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
     from hypermesh.chunkfs.store import ObjectStore

@@ -17,16 +17,19 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state import search
-from hypermesh.state.model import dumps
+from hypermesh.state.records import dumps
 from hypermesh.state.task_metrics import LINE_PREFIX, AttemptMetrics, report_in_line
 from hypermesh.state.txns import put_metrics
 
 if TYPE_CHECKING:
-    from hypermesh.agent.daemon import Agent, Running
+    from hypermesh.agent.tasks.running import Running
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace
+    from hypermesh.state.view import MeshView
 
 log = logging.getLogger("hypermesh.agent")
 
@@ -164,11 +167,24 @@ class MetricsWatch:
         await self.flush(force=True)
 
 
+class WatchHost(Protocol):
+    """What :func:`attempt_watch` uses of the agent; it writes ``written_revision`` (never
+    lowers it) after each store."""
+
+    etcd: Etcd
+    ks: Keyspace
+    view: MeshView
+    written_revision: int
+
+    def decide(self, message: str) -> None: ...
+
+
 def attempt_watch(
-    agent: Agent, r: Running, exp: Experiment, log_path: str | Path
+    agent: WatchHost, r: Running, exp: Experiment, log_path: str | Path, attempt_dir: str
 ) -> MetricsWatch:
-    """The watch of attempt ``r`` of ``agent``: stores fenced by the attempt's claim, and
-    prunes through ``search.should_prune`` when the experiment asks for pruning."""
+    """The watch of attempt ``r`` of ``agent`` (its scratch folder ``attempt_dir``): stores
+    fenced by the attempt's claim, and prunes through ``search.should_prune`` when the
+    experiment asks for pruning."""
     ref, n = r.plan.ref, r.plan.attempt
 
     async def store(value: bytes) -> None:
@@ -191,7 +207,7 @@ def attempt_watch(
 
     return MetricsWatch(
         log_path,
-        metrics_file(agent.attempt_path(ref, n)),
+        metrics_file(attempt_dir),
         store,
         prune if exp.pruning and exp.objective else None,
     )

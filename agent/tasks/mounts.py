@@ -26,7 +26,6 @@ from pathlib import Path
 
 from hypermesh.chunkfs.holdings import Holding, read_reads, scan, scan_root
 from hypermesh.chunkfs.mount import MountProcess
-
 from hypermesh.errors import HypermeshError, UsageError
 
 log = logging.getLogger(__name__)

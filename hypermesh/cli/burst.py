@@ -12,14 +12,15 @@ from typing import Any
 
 import click
 
-from hypermesh.cli.main import Mesh, _print_json, main, mesh_options, run_async
+from hypermesh.cli.common import Mesh, mesh_options, print_json, run_async
 from hypermesh.errors import HypermeshError, NotFound, UsageError
 from hypermesh.recipe.recipe import Recipe
 from hypermesh.recipe.units import UnitError, parse_duration
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
-from hypermesh.state.model import MeshView, dumps
 from hypermesh.state.pools import KINDS, Pool, parse_pools, usage_cost
+from hypermesh.state.records import dumps
+from hypermesh.state.view import MeshView
 
 
 @click.group()
@@ -85,7 +86,7 @@ async def pool_set(mesh: Mesh, name: str, kind: str, price: float, spot_price: f
         replaced = await etcd.get(mesh.ks.pool(name)) is not None
         await etcd.put(mesh.ks.pool(name), dumps(declared.to_json()))
     if as_json:
-        _print_json(declared.to_json() | {"replaced": replaced})
+        print_json(declared.to_json() | {"replaced": replaced})
     else:
         click.echo(f"hypermesh: pool {name} set ({kind})", err=True)
 
@@ -110,7 +111,7 @@ async def pool_rm(mesh: Mesh, name: str, as_json: bool) -> None:
         if not done.succeeded:
             raise HypermeshError(f"pool {name!r} changed while being removed; nothing removed")
     if as_json:
-        _print_json({"name": name, "declaration": json.loads(found[0])})
+        print_json({"name": name, "declaration": json.loads(found[0])})
     else:
         click.echo(f"hypermesh: pool {name} removed", err=True)
 
@@ -157,7 +158,7 @@ async def pool_ls(mesh: Mesh, as_json: bool) -> None:
         )
         rows.append(row)
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     click.echo(f"{'POOL':<16}{'KIND':<8}{'MARKET':<10}{'NODES':>6}{'START':>6}{'MIN':>5}"
                f"{'MAX':>5}{'PRICE/H':>9}{'NODE-S':>10}{'COST':>10}")
@@ -247,7 +248,3 @@ async def workflow_costs(etcd: Etcd, ks: Keyspace, wids: list[str]) -> dict[str,
     return {
         wid: usage_cost(view.workflow_usage.get(wid, ({}, 0))[0], pools) for wid in wids
     }
-
-
-main.add_command(pool)
-main.add_command(events)

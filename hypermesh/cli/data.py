@@ -1,14 +1,16 @@
-"""``hypermesh data``: put, list, remove and download data sets in an object store.
+"""``hypermesh data``: put, list, remove and download data sets in an object store; and
+``hypermesh mount``, which mounts one with FUSE (``hypermesh/chunkfs/mount.py`` holds
+that command's options and is imported only when it runs).
 
-These commands talk only to the object store (``--store URL`` or ``$HYPERMESH_STORE``),
-never to etcd. Exit codes as for the rest of the CLI: 0 success, 1 a failure at run
-time (store unavailable, data set missing, corrupt data), 2 bad input. Results go to
-stdout (``--json`` for machine-readable output); progress and errors to stderr.
+The ``data`` commands talk only to the object store (``--store URL`` or
+``$HYPERMESH_STORE``), never to etcd. Exit codes as for the rest of the CLI: 0 success,
+1 a failure at run time (store unavailable, data set missing, corrupt data), 2 bad
+input. Results go to stdout (``--json`` for machine-readable output); progress and
+errors to stderr.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
+from hypermesh.cli.common import human_size, print_json
 from hypermesh.errors import HypermeshError, UsageError
 from hypermesh.recipe.units import UnitError, parse_size
 
@@ -58,19 +61,6 @@ def data_command(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def _human(n: float) -> str:
-    """``n`` bytes, rounded, in the largest binary unit that keeps it at least 1."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2))
-
-
 @click.group()
 def data() -> None:
     """Data sets in object storage: put, ls, rm, get."""
@@ -95,8 +85,8 @@ class _PutDisplay:
         self.last = now
         elapsed = max(now - p.started, 1e-6)
         line = (
-            f"{p.files} files, {_human(p.bytes_read)} read "
-            f"({_human(int(p.bytes_read / elapsed))}/s), chunks: {p.chunks_uploaded} "
+            f"{p.files} files, {human_size(p.bytes_read)} read "
+            f"({human_size(int(p.bytes_read / elapsed))}/s), chunks: {p.chunks_uploaded} "
             f"uploaded, {p.chunks_existing} already stored"
         )
         if self.live:
@@ -164,13 +154,13 @@ def put(store: Any, src: Path, name: str, chunk_size: str, parallel: int, as_jso
         "seconds": round(elapsed, 3),
     }
     click.echo(
-        f"put {root.name}@{root.version}: {root.files} files, {_human(root.bytes)} in "
+        f"put {root.name}@{root.version}: {root.files} files, {human_size(root.bytes)} in "
         f"{len(root.chunks)} chunks ({p.chunks_uploaded} uploaded, {p.chunks_existing} "
         f"already stored) in {elapsed:.1f}s",
         err=True,
     )
     if as_json:
-        _print_json(summary)
+        print_json(summary)
     else:
         click.echo(root.version)
 
@@ -211,7 +201,7 @@ def ls(store: Any, name: str | None, as_json: bool) -> None:
             row["versions"] = len(list_versions(store, ds))
             rows.append(row)
         if as_json:
-            _print_json(rows)
+            print_json(rows)
             return
         if not rows:
             click.echo("no data sets", err=True)
@@ -220,7 +210,7 @@ def ls(store: Any, name: str | None, as_json: bool) -> None:
         for r in rows:
             click.echo(
                 f"{r['name']:<24}{r['version']:<38}{r['versions']:>9}{r['files']:>10}"
-                f"{_human(r['bytes']):>12}"
+                f"{human_size(r['bytes']):>12}"
             )
         return
     base, version = parse_spec(name)
@@ -229,12 +219,12 @@ def ls(store: Any, name: str | None, as_json: bool) -> None:
         raise NotFound(f"data set {base!r} not found in {store.url}")
     rows = [_version_row(load_root(store, base, v)) for v in versions]
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return
     click.echo(f"{'VERSION':<38}{'FILES':>10}{'DIRS':>8}{'SIZE':>12}{'CHUNKS':>8}")
     for r in rows:
         click.echo(
-            f"{r['version']:<38}{r['files']:>10}{r['dirs']:>8}{_human(r['bytes']):>12}"
+            f"{r['version']:<38}{r['files']:>10}{r['dirs']:>8}{human_size(r['bytes']):>12}"
             f"{r['chunks']:>8}"
         )
 
@@ -254,7 +244,7 @@ def rm(store: Any, spec: str, as_json: bool) -> None:
 
     result = remove(store, spec)
     if as_json:
-        _print_json(
+        print_json(
             {
                 "removed": list(result.versions),
                 "chunks_deleted": result.chunks_deleted,
@@ -285,10 +275,24 @@ def get(store: Any, spec: str, dest: Path, parallel: int, as_json: bool) -> None
     root = get_dataset(store, spec, dest, parallel=parallel)
     elapsed = time.monotonic() - started
     if as_json:
-        _print_json({**_version_row(root), "dest": str(dest), "seconds": round(elapsed, 3)})
+        print_json({**_version_row(root), "dest": str(dest), "seconds": round(elapsed, 3)})
         return
     click.echo(
-        f"got {root.name}@{root.version}: {root.files} files, {_human(root.bytes)} "
+        f"got {root.name}@{root.version}: {root.files} files, {human_size(root.bytes)} "
         f"into {dest} in {elapsed:.1f}s",
         err=True,
     )
+
+
+# ----------------------------------------------------------------------------- mount
+@click.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def mount(args: tuple[str, ...]) -> None:
+    """Mount a data set with FUSE (see `hypermesh mount --help`)."""
+    # Imported on use: the FUSE and S3 stack would add 0.2 s to every other command.
+    from hypermesh.chunkfs.mount import mount as mount_command
+
+    mount_command.main(args=list(args), prog_name="hypermesh mount")

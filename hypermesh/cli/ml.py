@@ -3,15 +3,15 @@ the ``best`` entry ``status`` adds to an experiment that declares an objective."
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
+from hypermesh.cli.common import Mesh, load_view, mesh_options, print_json, run_async
 from hypermesh.errors import UsageError
 from hypermesh.recipe.recipe import Experiment
-from hypermesh.state.model import MeshView
 from hypermesh.state.search import ranked, trials_of
+from hypermesh.state.view import MeshView
 
 
 def best_rows(view: MeshView, wid: str, exp: Experiment, n: int) -> list[dict[str, Any]]:
@@ -68,7 +68,7 @@ def best_command(view: MeshView, wid: str, experiment: str | None, n: int, as_js
             raise UsageError(f"workflow {wid} has no experiment with an objective")
     rows = [row for exp in exps for row in best_rows(view, wid, exp, n)]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        print_json(rows)
         return
     if not rows:
         click.echo("no completed trials yet")
@@ -76,3 +76,20 @@ def best_command(view: MeshView, wid: str, experiment: str | None, n: int, as_js
         params = " ".join(f"{k}={v}" for k, v in r["params"].items())
         click.echo(f"{r['rank']:>3}  {r['metric']}={r['value']:<12.6g} {r['task']:<40} {params}")
 
+
+@click.command()
+@click.argument("workflow")
+@click.option("--experiment", default=None, help="Only this experiment [default: each with "
+              "an objective].")
+@click.option("-n", "count", type=click.IntRange(min=1), default=5, show_default=True,
+              help="How many trials per experiment.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def best(
+    mesh: Mesh, workflow: str, experiment: str | None, count: int, as_json: bool
+) -> None:
+    """Print the best trials of a workflow by its experiments' objectives."""
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+    best_command(view, workflow, experiment, count, as_json)

@@ -2,14 +2,14 @@
 
 Each is one guarded etcd transaction (see ``hypermesh/state/live.py``); the leader and
 the claimers pick the change up through their watch. ``cancel --experiment``
-lives with ``cancel`` in ``hypermesh/cli/main.py``.
+lives with ``cancel`` in ``workflows.py``.
 """
 
 from __future__ import annotations
 
 import click
 
-from hypermesh.cli.main import Mesh, _err, _print_json, mesh_options, run_async
+from hypermesh.cli.common import Mesh, err, mesh_options, print_json, run_async
 from hypermesh.errors import UsageError
 
 
@@ -37,13 +37,13 @@ async def retry(mesh: Mesh, workflow: str, as_json: bool) -> None:
     async with mesh.connect() as etcd:
         retried = await retry_failed(etcd, mesh.ks, workflow)
     if as_json:
-        _print_json({"workflow": workflow, "retried": retried})
+        print_json({"workflow": workflow, "retried": retried})
     elif retried:
-        _err(f"{workflow}: {len(retried)} failed task(s) will run again")
+        err(f"{workflow}: {len(retried)} failed task(s) will run again")
         for task_id in retried:
             click.echo(task_id)
     else:
-        _err(f"{workflow}: no failed tasks")
+        err(f"{workflow}: no failed tasks")
 
 
 @click.command()
@@ -66,11 +66,11 @@ async def scale(mesh: Mesh, workflow: str, experiment: str, workers: str, as_jso
     async with mesh.connect() as etcd:
         before = await scale_experiment(etcd, mesh.ks, workflow, experiment, cap)
     if as_json:
-        _print_json(
+        print_json(
             {"workflow": workflow, "experiment": experiment, "workers": cap, "previous": before}
         )
     else:
-        _err(f"{workflow} {experiment}: workers {before} -> {cap}")
+        err(f"{workflow} {experiment}: workers {before} -> {cap}")
 
 
 @click.command()
@@ -87,11 +87,11 @@ async def extend(mesh: Mesh, workflow: str, experiment: str, samples: int, as_js
     async with mesh.connect() as etcd:
         total = await extend_experiment(etcd, mesh.ks, workflow, experiment, samples)
     if as_json:
-        _print_json(
+        print_json(
             {"workflow": workflow, "experiment": experiment, "added": samples, "total": total}
         )
     else:
-        _err(f"{workflow} {experiment}: {samples} task(s) added, {total} in all")
+        err(f"{workflow} {experiment}: {samples} task(s) added, {total} in all")
 
 
 OPS_COMMANDS: list[click.Command] = [retry, scale, extend]

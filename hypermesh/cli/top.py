@@ -9,16 +9,15 @@ answer within the timeout is shown with ``telemetry: null``. ``fetch_telemetry``
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry
-from hypermesh.cli.data import _human as _size
-from hypermesh.cli.main import Mesh, mesh_options, run_async
+from hypermesh.cli.common import Mesh, human_size, mesh_options, print_json, run_async
 from hypermesh.errors import NotFound
-from hypermesh.state.model import MeshView, NodeRecord
+from hypermesh.state.records import NodeRecord
+from hypermesh.state.view import MeshView
 
 
 async def live_nodes(mesh: Mesh) -> dict[str, NodeRecord]:
@@ -44,14 +43,15 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             continue
         gpus = " ".join(
             f"[{g['index']}: {g['utilization_percent']:.0f}% "
-            f"{_size(g['memory_used_bytes'])} {g['temperature_c']:.0f}C]"
+            f"{human_size(g['memory_used_bytes'])} {g['temperature_c']:.0f}C]"
             for g in s["gpus"]
         ) or ("-" if t["nvml"] else "no NVML")
         click.echo(
             f"{r['name']:<16}{s['cpu_percent']:>6.1f}{s['load1']:>6.2f}"
-            f"{_size(s['memory_used_bytes']) + '/' + _size(s['memory_total_bytes']):>21}"
-            f"{_size(s['disk_used_bytes']) + '/' + _size(s['disk_total_bytes']):>21}"
-            f"{_size(s['net_recv_bytes_per_s']):>11}{_size(s['net_sent_bytes_per_s']):>11}"
+            f"{human_size(s['memory_used_bytes']) + '/' + human_size(s['memory_total_bytes']):>21}"
+            f"{human_size(s['disk_used_bytes']) + '/' + human_size(s['disk_total_bytes']):>21}"
+            f"{human_size(s['net_recv_bytes_per_s']):>11}"
+            f"{human_size(s['net_sent_bytes_per_s']):>11}"
             f"  {gpus}"
         )
     tasks = [(r["name"], u) for r in rows if r["telemetry"] for u in r["telemetry"]["tasks"]]
@@ -62,8 +62,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         for node, u in tasks:
             click.echo(
                 f"{u['task_id']:<40}{u['attempt']:>4} {node:<16}{u['processes']:>6}"
-                f"{u['cpu_percent']:>8.1f}{_size(u['rss_bytes']):>11}"
-                f"{_size(u['gpu_memory_bytes']):>11}"
+                f"{u['cpu_percent']:>8.1f}{human_size(u['rss_bytes']):>11}"
+                f"{human_size(u['gpu_memory_bytes']):>11}"
             )
 
 
@@ -93,7 +93,7 @@ async def top(mesh: Mesh, as_json: bool, only: str | None, history: int) -> None
         for name in sorted(nodes)
     ]
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        print_json(rows)
         return
     if not rows:
         click.echo("no live nodes")

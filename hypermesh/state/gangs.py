@@ -21,13 +21,15 @@ record a success; a lost member makes it record the attempt ``node-lost`` (no re
 not counted against retries) and the gang forms again as a new attempt.
 
 The transactions are in ``hypermesh.state.gang_txns``. ``GangTable`` is the mirror of these
-keys inside ``MeshView``; ``waiting_reason`` explains a pending gang task to ``status``
-and ``tasks``. No clock is read here.
+keys inside ``hypermesh.state.mirror.Mirror``; ``waiting_reason`` explains a pending gang
+task to ``status`` and ``tasks``. Both are given the tables they read (the mirror's nodes,
+claims and results), so this module knows nothing of the view around them. No clock is
+read here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +37,7 @@ from hypermesh.state.keyspace import TaskRef
 
 if TYPE_CHECKING:
     from hypermesh.recipe.recipe import Experiment
-    from hypermesh.state.model import MeshView, NodeRecord
+    from hypermesh.state.records import NodeRecord
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class MemberEnd:
 
 @dataclass
 class GangTable:
-    """Mirror of the ``gang/`` keys. Fed by ``MeshView.apply``; everyone else reads."""
+    """Mirror of the ``gang/`` keys. Fed by ``Mirror.apply``; everyone else reads."""
 
     seats: dict[TaskRef, dict[int, Seat]] = field(default_factory=dict)
     rendezvous: dict[TaskRef, Rendezvous] = field(default_factory=dict)
@@ -147,26 +149,37 @@ def combine(ends: dict[int, MemberEnd]) -> MemberEnd:
 
 
 def live_nodes_for(
-    view: MeshView, exp: Experiment, can_run: Callable[[NodeRecord], bool] | None = None
+    nodes: Mapping[str, NodeRecord],
+    exp: Experiment,
+    can_run: Callable[[NodeRecord], bool] | None = None,
 ) -> int:
-    """Live nodes that may run a member of ``exp``: alive, in an allowed pool, and
-    (with ``can_run``, the agent's hardware check) able to run it."""
+    """Live nodes (of ``nodes``, the mirror's table) that may run a member of ``exp``:
+    alive, in an allowed pool, and (with ``can_run``, the agent's hardware check) able
+    to run it."""
     return sum(
         1
-        for n in view.nodes.values()
+        for n in nodes.values()
         if n.state == "alive"
         and (not exp.pools or n.pool in exp.pools)
         and (can_run is None or can_run(n))
     )
 
 
-def waiting_reason(view: MeshView, ref: TaskRef, exp: Experiment) -> str | None:
+def waiting_reason(
+    ref: TaskRef,
+    exp: Experiment,
+    gangs: GangTable,
+    nodes: Mapping[str, NodeRecord],
+    claims: Container[TaskRef],
+    results: Container[TaskRef],
+) -> str | None:
     """Why a pending gang task is not running, for ``status`` and ``tasks``; None
-    when it is not a pending gang task."""
-    if exp.nodes <= 1 or ref in view.results or ref in view.claims:
+    when it is not a pending gang task (``claims`` and ``results``: the tasks that
+    run or are decided)."""
+    if exp.nodes <= 1 or ref in results or ref in claims:
         return None
-    held = len(view.gangs.seats_of(ref))
-    live = live_nodes_for(view, exp)
+    held = len(gangs.seats_of(ref))
+    live = live_nodes_for(nodes, exp)
     if live < exp.nodes:
         return f"waiting for {exp.nodes} nodes, {live} in mesh"
     return f"waiting for {exp.nodes} nodes, {held} of {exp.nodes} ranks held"

@@ -27,8 +27,9 @@ from hypermesh.state.block_txns import claimable
 from hypermesh.state.blocks import Batch
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.state.model import TERMINAL, ExperimentControl, MeshView, WorkflowRecord, dumps
+from hypermesh.state.records import TERMINAL, ExperimentControl, WorkflowRecord, dumps
 from hypermesh.state.txns import state_value
+from hypermesh.state.view import MeshView
 
 ATTEMPTS = 20  # reads-and-writes tried before giving up on a key others keep changing
 RETRY_BATCH = 40  # tasks reopened per transaction (3 operations each)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypermesh.state.model import MeshView
+from hypermesh.state.view import MeshView
 
 Gossip = dict[str, dict[str, Any]]  # name -> {"state", "incarnation", "meta", "since"}
 

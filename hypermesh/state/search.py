@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from hypermesh.recipe.ml import Objective
 from hypermesh.recipe.recipe import Experiment, Parameter
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import MeshView
+from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
     import optuna

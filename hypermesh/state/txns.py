@@ -21,7 +21,7 @@ from typing import Any
 from hypermesh.errors import NotFound, UsageError
 from hypermesh.state.etcd import MAX_TXN_OPS, Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.state.model import TERMINAL, Attempt, WorkflowRecord, dumps
+from hypermesh.state.records import TERMINAL, Attempt, WorkflowRecord, dumps
 
 MAX_TXN_BYTES = 512 * 1024
 """Bytes of keys and values one expansion transaction writes at most (etcd's request

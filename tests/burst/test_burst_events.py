@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 from hypermesh.agent.burst.duty import BurstDuty
 from hypermesh.agent.burst.policy import BurstConfig
-
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.keyspace import Keyspace
-from hypermesh.state.model import MeshView, dumps
+from hypermesh.state.records import dumps
+from hypermesh.state.view import MeshView
 from tests.conftest import Mesh
 
 

@@ -19,7 +19,9 @@ from typing import Any, cast
 import psutil
 import pytest
 
-from hypermesh.local.mesh import LocalMesh, hypermesh_command, mesh_agents, stop_all, wait_for
+from hypermesh.local.agents import hypermesh_command, mesh_agents, stop_all
+from hypermesh.local.mesh import LocalMesh
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 SWEEP = """\

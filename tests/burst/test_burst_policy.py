@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from hypermesh.agent.burst.policy import (
     Backlog,
     BurstConfig,
@@ -20,7 +21,6 @@ from hypermesh.agent.burst.policy import (
     slots_to_drain,
     use_spot,
 )
-
 from hypermesh.errors import UsageError
 from hypermesh.state.pools import Pool
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from hypermesh.agent.burst import view as burst_view
 from hypermesh.agent.burst.policy import Backlog, NodeState, Starting
-
-from hypermesh.state.model import NodeRecord
 from hypermesh.state.pools import Pool
+from hypermesh.state.records import NodeRecord
 from tests.claims.test_claims import Feed
 
 CLOUD = Pool("cloud", kind="local", max_nodes=3, slots=2)

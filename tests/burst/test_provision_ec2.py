@@ -18,6 +18,7 @@ from typing import Any
 import boto3
 import pytest
 from botocore.exceptions import ClientError
+
 from hypermesh.agent.burst.duty import BurstDuty
 from hypermesh.agent.burst.ec2 import (
     TAG_NAMESPACE,
@@ -34,8 +35,7 @@ from hypermesh.agent.burst.provisioner import (
     ProvisionError,
     launch_with_fallback,
 )
-
-from hypermesh.local.mesh import _stop_process, free_port, wait_for
+from hypermesh.local.processes import free_port, stop_process, wait_for
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.pools import Pool
 from tests.burst.test_burst_events import stand_in_leader
@@ -69,7 +69,7 @@ def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_for(up, 60, "the moto server")
         yield url
     finally:
-        _stop_process(proc, 10)
+        stop_process(proc, 10)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from hypermesh.chunkfs.buffers import aligned_buffer
 from hypermesh.chunkfs.cache import (
     SOLE,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from hypermesh.chunkfs.cache import ChunkCache
 from hypermesh.chunkfs.fetch import (
     PAGE,
@@ -23,9 +24,8 @@ from hypermesh.chunkfs.fetch import (
 )
 from hypermesh.chunkfs.format import ChunkInfo, Entry, Extent, blocks_key, chunk_key, hash_of
 from hypermesh.chunkfs.store import ObjectStore, S3Store
-
 from hypermesh.errors import CorruptData, NoSuchObject, StoreUnavailable
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from hypermesh.local.s3server import S3Server
 from tests.chunkfs.test_chunkfs_cache import Chunk
 

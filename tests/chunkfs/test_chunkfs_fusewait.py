@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
 from hypermesh.chunkfs import fusewait
 from hypermesh.chunkfs.fusewait import DeviceWait
 

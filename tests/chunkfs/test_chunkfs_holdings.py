@@ -7,7 +7,6 @@ from pathlib import Path
 from hypermesh.chunkfs.cache import ChunkCache
 from hypermesh.chunkfs.format import MiB
 from hypermesh.chunkfs.holdings import read_holding, read_range, read_reads, scan, write_reads
-
 from tests.chunkfs.test_chunkfs_cache import Chunk, fill
 
 

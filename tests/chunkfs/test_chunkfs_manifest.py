@@ -11,6 +11,7 @@ import zlib
 from dataclasses import replace
 
 import pytest
+
 from hypermesh.chunkfs.format import (
     FORMAT_VERSION,
     ChunkInfo,
@@ -30,7 +31,6 @@ from hypermesh.chunkfs.manifest import (
     page_digest,
     version_name,
 )
-
 from hypermesh.errors import CorruptData, StoreUnavailable
 
 ODD = ["with space", "naïve ☃", "new\nline", "-rf", os.fsdecode(b"bad\xff\xfebytes"), "a@b"]

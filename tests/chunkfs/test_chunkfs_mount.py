@@ -15,12 +15,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from hypermesh.chunkfs.format import MiB, chunk_key
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from hypermesh.local.s3server import S3Server
 from tests.chunkfs.test_chunkfs_pack import make_tree, make_writable, snapshot
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from hypermesh.chunkfs import format as fmt
 from hypermesh.chunkfs.datasets import (
     get_dataset,
@@ -20,7 +21,6 @@ from hypermesh.chunkfs.datasets import (
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.pack import PutProgress, put_dataset
 from hypermesh.chunkfs.store import FileStore, ObjectStore, S3Store
-
 from hypermesh.errors import CorruptData, NotFound, StoreUnavailable, UsageError
 
 MiB = 1 << 20

@@ -9,8 +9,7 @@ import threading
 from hypermesh.chunkfs.cache import ReadStats
 from hypermesh.chunkfs.fetch import Readahead
 from hypermesh.chunkfs.pagepush import PAGE, PagePusher
-
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 
 
 def test_pushes_are_stored_in_order_and_counted() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from hypermesh.chunkfs.store import (
     FileStore,
     ObjectStore,
@@ -17,7 +18,6 @@ from hypermesh.chunkfs.store import (
     open_store,
     retry_transient,
 )
-
 from hypermesh.errors import (
     CorruptData,
     FatalError,

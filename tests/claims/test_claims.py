@@ -6,12 +6,13 @@ import textwrap
 from typing import Any
 
 import pytest
-from hypermesh.agent.claims.choose import LocalLoad, choose_claims, fits, gpu_type_matches
 
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims, fits, gpu_type_matches
 from hypermesh.recipe.recipe import Hardware, parse_recipe
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import MeshView, NodeRecord, WorkflowRecord, dumps
+from hypermesh.state.records import NodeRecord, WorkflowRecord, dumps
 from hypermesh.state.txns import ClaimPlan
+from hypermesh.state.view import MeshView
 
 GIB = 1024**3
 

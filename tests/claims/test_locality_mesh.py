@@ -14,8 +14,8 @@ from typing import Any
 
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
-from hypermesh.local.mesh import AgentProcess, wait_for
+from hypermesh.local.agents import AgentProcess
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 MIB = 1 << 20

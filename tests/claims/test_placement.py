@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+
 from hypermesh.agent.claims.choose import LocalLoad, choose_claims, fits
 from hypermesh.agent.claims.locality import Locality
 from hypermesh.agent.claims.placement import Placement, held, prune_since
@@ -20,13 +21,12 @@ from hypermesh.chunkfs.holdings import Holding
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import FileStore
-
 from hypermesh.config import AgentConfig, parse_locality_delay
 from hypermesh.errors import RecipeError, UsageError
 from hypermesh.recipe.inputs import input_problems, render_input
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import NodeRecord
+from hypermesh.state.records import NodeRecord
 from tests.chunkfs.test_chunkfs_manifest import build
 from tests.claims.test_claims import Feed, node
 

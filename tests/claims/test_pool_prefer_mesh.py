@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 PREFERRING = """\

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from hypermesh.agent.burst import view as burst_view
 from hypermesh.agent.burst.policy import (
     Backlog,
@@ -21,13 +22,12 @@ from hypermesh.agent.burst.policy import (
 from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.claims.pool_wait import PoolWait
-
 from hypermesh.config import AgentConfig
 from hypermesh.errors import RecipeError, UsageError
 from hypermesh.recipe.recipe import Recipe, parse_recipe
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import NodeRecord
 from hypermesh.state.pools import Pool
+from hypermesh.state.records import NodeRecord
 from tests.claims.test_claims import Feed
 from tests.claims.test_placement import agent_start
 

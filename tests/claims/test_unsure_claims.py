@@ -9,8 +9,7 @@ import time
 import uuid
 
 from hypermesh.agent.claims.unsure import UnsureClaims
-
-from hypermesh.local.mesh import EtcdServer
+from hypermesh.local.etcd import EtcdServer
 from hypermesh.state.block_txns import claim_block
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef

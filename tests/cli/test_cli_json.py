@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"
@@ -104,10 +104,11 @@ def test_followed_summary_is_the_published_one_with_the_current_state() -> None:
     """``submit --wait``/``status --watch`` show the leader's published summary; before
     the first one, the workflow record's own (all pending); once the state key says the
     workflow ended, that state."""
-    from hypermesh.cli.main import _followed_summary
+    from hypermesh.cli.workflows import _followed_summary
     from hypermesh.recipe.recipe import parse_recipe
     from hypermesh.state.keyspace import Keyspace
-    from hypermesh.state.model import MeshView, WorkflowRecord, dumps
+    from hypermesh.state.records import WorkflowRecord, dumps
+    from hypermesh.state.view import MeshView
 
     ks = Keyspace("t")
     view = MeshView(ks)

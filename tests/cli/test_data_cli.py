@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from hypermesh.chunkfs import format as fmt
 from hypermesh.chunkfs.store import S3Store
-
 from hypermesh.local.s3server import S3Server
 
 HYPERMESH = str(Path(sys.executable).parent / "hypermesh")

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"  # runs until the test creates ./gate

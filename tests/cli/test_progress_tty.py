@@ -14,7 +14,7 @@ import termios
 import time
 from dataclasses import dataclass
 
-from hypermesh.local.mesh import hypermesh_command
+from hypermesh.local.agents import hypermesh_command
 from tests.conftest import Mesh
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"

@@ -6,14 +6,14 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from hypermesh.agent.gang import policy as gang
 from hypermesh.agent.gang.policy import GangConfig, Member
-
 from hypermesh.errors import RecipeError
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.gangs import MemberEnd, Rendezvous, combine
 from hypermesh.state.keyspace import TaskRef
-from hypermesh.state.model import NodeRecord
+from hypermesh.state.records import NodeRecord
 from tests.claims.test_claims import Feed
 
 CFG = GangConfig(wait_s=5.0, backoff_s=10.0)

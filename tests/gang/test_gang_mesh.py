@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh, process_gone
 
 # Each rank all-reduces (rank + 1) over the gang with gloo and writes what it got.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, SUSPECT, BroadcastQueue, Update
 
 

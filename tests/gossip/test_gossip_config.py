@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.suspicion import suspicion_timeout
 

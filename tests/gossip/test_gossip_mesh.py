@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh, process_gone, task_pid
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.simnet import SimNet
 from hypermesh.agent.gossip.suspicion import push_pull_period, suspicion_bounds

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 
 import pytest
+
 from hypermesh.agent.gossip.broadcast import Update
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.suspicion import lifeguard_timeout, suspicion_bounds

@@ -20,7 +20,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hypermesh.local.mesh import EtcdCluster, EtcdServer, wait_for
+from hypermesh.local.etcd import EtcdCluster, EtcdServer
+from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 from hypermesh.chunkfs.store import S3Store
-
 from hypermesh.local.s3proxy import CountingS3Proxy
 from hypermesh.local.s3server import S3Server
 from tests.conftest import TEST_BUCKET

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from hypermesh.local.mesh import EtcdServer, wait_for
+from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid

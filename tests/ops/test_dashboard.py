@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hypermesh.chunkfs.store import S3Store
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
@@ -24,6 +23,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
+from hypermesh.chunkfs.store import S3Store
 from tests.conftest import Mesh
 from tests.ops.test_telemetry import SPIN
 from tests.tasks.test_data_tasks import _dataset

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from hypermesh.agent.ops.health import serving
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.local.mesh import wait_for
+from hypermesh.agent.ops.health import serving
+from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh

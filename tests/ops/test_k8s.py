@@ -22,9 +22,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from hypermesh.agent.ops.health import LIVENESS_SERVICE
 
-from hypermesh.cli.main import agent_start
+from hypermesh.agent.ops.health import LIVENESS_SERVICE
+from hypermesh.cli.agent import agent_start
 from hypermesh.config import AgentConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import cast
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from hypermesh.agent.ops.gpus import GpuSample
 from hypermesh.agent.ops.metrics import Snapshot, count_attempts, exposition
 from hypermesh.agent.ops.usage import NodeSample, TaskUsage
 from hypermesh.chunkfs.store import S3Store
-from prometheus_client.parser import text_string_to_metric_families
-
-from hypermesh.local.mesh import wait_for
-from hypermesh.state.model import Attempt
+from hypermesh.local.processes import wait_for
+from hypermesh.state.records import Attempt
 from tests.conftest import Mesh, task_pid
 from tests.tasks.test_data_tasks import _dataset  # toy: big.bin (3 MiB) and a small file
 

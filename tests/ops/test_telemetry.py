@@ -11,6 +11,7 @@ from typing import Any
 
 import psutil
 import pytest
+
 from hypermesh.agent.ops.gpus import GpuSample, NoGpus, open_gpus
 from hypermesh.agent.ops.telemetry import Sampler, TaskRoot, Telemetry
 from hypermesh.agent.ops.usage import (
@@ -21,8 +22,7 @@ from hypermesh.agent.ops.usage import (
     per_second,
     tree_cpu_seconds,
 )
-
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from hypermesh.agent.leader import Suggest, plan
 
+from hypermesh.agent.leader import Suggest, plan
 from hypermesh.errors import RecipeError
 from hypermesh.recipe.ml import Objective
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import MeshView, WorkflowRecord, dumps
+from hypermesh.state.records import WorkflowRecord, dumps
 from hypermesh.state.search import Trial, next_indices, ranked, should_prune, suggest, trials_of
 from hypermesh.state.task_metrics import (
     MAX_HISTORY,
@@ -22,6 +22,7 @@ from hypermesh.state.task_metrics import (
     parse_report,
 )
 from hypermesh.state.task_metrics import report_in_line as line
+from hypermesh.state.view import MeshView
 
 TPE = """
 experiments:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from hypermesh.agent.share.config import MIN_PEER_RATE, ShareConfig, transfer_deadline
 from hypermesh.agent.share.peers import ChunkPeers, holder_order, race_delay
-
 from hypermesh.state.node_rows import hit_rates
 
 

@@ -17,15 +17,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.share.duty import SERVE_PAUSE_ENV
 from hypermesh.chunkfs.agent_fetch import AgentPeerFetch
 from hypermesh.chunkfs.format import ChunkInfo, chunk_key
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
-from hypermesh._proto import agent_pb2, agent_pb2_grpc
-from hypermesh.local.mesh import AgentProcess, EtcdServer, wait_for
+from hypermesh.local.agents import AgentProcess
+from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.processes import wait_for
 from hypermesh.local.s3proxy import CountingS3Proxy
 from hypermesh.local.s3server import S3Server
 from tests.conftest import TEST_BUCKET, Mesh

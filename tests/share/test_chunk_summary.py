@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from hypermesh.agent.share.summary import ChunkDelta, ChunkSummary, DeltaResult
 
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from hypermesh.errors import EtcdUnavailable, UsageError
-from hypermesh.local.mesh import EtcdCluster, EtcdServer
+from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, parse_endpoints
 
 

@@ -6,11 +6,12 @@ import textwrap
 from typing import Any
 
 import pytest
-from hypermesh.agent.leader import Expand, SetState, plan
 
+from hypermesh.agent.leader import Expand, SetState, plan
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import MeshView, WorkflowRecord, dumps
+from hypermesh.state.records import WorkflowRecord, dumps
+from hypermesh.state.view import MeshView
 
 # 'a' and 'b' are roots; 'c' needs both; 'd' needs 'c'. File order is not dependency order.
 DIAMOND = """

@@ -10,7 +10,8 @@ import pytest
 
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.keyspace import Keyspace, TaskRef
-from hypermesh.state.model import MeshView, NodeRecord, WorkflowRecord, dumps
+from hypermesh.state.records import NodeRecord, WorkflowRecord, dumps
+from hypermesh.state.view import MeshView
 
 # prep (3 tasks) -> train (2 tasks) -> report (1 task)
 CHAIN = """

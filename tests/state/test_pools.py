@@ -6,12 +6,12 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 from hypermesh.errors import RecipeError, UsageError
 from hypermesh.recipe.recipe import Recipe, parse_recipe
-from hypermesh.state.model import NodeRecord, dumps
 from hypermesh.state.pools import Pool, usage_cost
+from hypermesh.state.records import NodeRecord, dumps
 from tests.claims.test_claims import Feed
 from tests.conftest import Mesh
 

@@ -11,9 +11,8 @@ import sys
 
 from hypermesh.agent.tasks.logs import log_key
 from hypermesh.chunkfs.store import open_store
-
 from hypermesh.errors import NoSuchObject
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from hypermesh.state.keyspace import TaskRef
 from tests.conftest import Mesh
 

@@ -9,15 +9,16 @@ import textwrap
 from collections.abc import Callable
 
 import pytest
-from hypermesh.agent.tasks.blocks import choose_block
 
-from hypermesh.local.mesh import EtcdServer
-from hypermesh.recipe.recipe import parse_recipe
+from hypermesh.agent.tasks.blocks import choose_block
+from hypermesh.local.etcd import EtcdServer
+from hypermesh.recipe.recipe import parse_recipe, why_not_batched
 from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
-from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry, block_size, why_not_batched
+from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry, block_size
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
-from hypermesh.state.model import MeshView, NodeRecord, dumps
+from hypermesh.state.records import NodeRecord, dumps
+from hypermesh.state.view import MeshView
 from tests.recipe.test_recipe import located, one_experiment
 from tests.state.test_model import Feed
 

@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid

@@ -7,13 +7,13 @@ from __future__ import annotations
 import shlex
 
 import pytest
+
 from hypermesh.agent.tasks.containers import (
     FRAMEWORK_IMAGES,
     container_argv,
     image_for,
     task_env_names,
 )
-
 from tests.conftest import Mesh
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
-
-from hypermesh.local.mesh import unmount_under, wait_for
+from hypermesh.local.processes import unmount_under, wait_for
 from tests.conftest import Mesh, process_gone, task_pid
 
 

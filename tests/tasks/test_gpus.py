@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from hypermesh.agent.ops.gpus import GpuSample
 from hypermesh.agent.tasks.gpu_pool import (
     ENV_FAKE_NVML,
@@ -18,7 +19,6 @@ from hypermesh.agent.tasks.gpu_pool import (
     GpuPool,
     NvmlDevices,
 )
-
 from hypermesh.recipe.recipe import Hardware
 from tests.conftest import Mesh
 

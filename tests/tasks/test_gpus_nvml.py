@@ -19,11 +19,11 @@ from typing import Any
 
 import psutil
 import pytest
+
 from hypermesh.agent.ops.gpus import NoGpus, NvmlGpus, open_gpus
 from hypermesh.agent.ops.telemetry import Sampler, TaskRoot, Telemetry, detect_gpus
 from hypermesh.agent.tasks.gpu_pool import GpuInfo, NvmlDevices
-
-from hypermesh.local.mesh import wait_for
+from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
 
 STANDIN = Path(__file__).parent / "nvml_standin"

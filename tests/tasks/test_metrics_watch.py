@@ -9,7 +9,6 @@ from pathlib import Path
 
 from hypermesh.agent.tasks import metrics_watch
 from hypermesh.agent.tasks.metrics_watch import MetricsWatch
-
 from hypermesh.state.task_metrics import AttemptMetrics
 
 

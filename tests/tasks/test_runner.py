@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+
 from hypermesh.agent.tasks.runner import AttemptProcess, Outcome, direct_argv
 
 DEADLINE = 5.0  # seconds any single step below may take before the test fails

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from hypermesh.agent.tasks import spawn as spawn_mod
 from hypermesh.agent.tasks.spawn import Child, spawn
 

@@ -1,9 +1,17 @@
-"""The data model and a local mirror of one mesh's etcd keyspace.
+"""The mirror: one namespace's etcd keys kept as local tables, changed only by events.
 
-``MeshView`` is fed key/value events (from a range read, then a watch) and
-answers questions about nodes, workflows and tasks. It does no I/O and reads no
-clock: the agent, the leader and the CLI all derive states through the same
-functions here, so ``hypermesh status`` and the scheduler never disagree.
+``Mirror`` is fed key/value events (a range read, then a watch) through ``apply``
+and keeps a table per kind of key: nodes, workflows, tasks, claims, attempts,
+results, metrics, gangs, bursting records. Batched experiments
+(``hypermesh.state.blocks``) are expanded here into the same per-task tables, so no
+reader needs to know whether a task was written alone or in a block. Besides the raw
+tables it keeps a few incrementally: the open tasks and the count of tasks per state
+of each experiment, so that summaries cost O(1) per experiment.
+
+The mirror does no I/O and reads no clock. Only its owner (one agent task, or the
+CLI) changes it, through ``apply``, ``reset``, ``settle`` and ``set_defer_batches``;
+everything else reads, through ``hypermesh.state.view.MeshView``, which adds the
+answers derived from these tables.
 """
 
 from __future__ import annotations
@@ -11,197 +19,23 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 from hypermesh.errors import HypermeshError
-from hypermesh.recipe.recipe import Experiment, Recipe
-from hypermesh.recipe.sampling import planned_count
 from hypermesh.state.blocks import Batch
-from hypermesh.state.gangs import GangTable, waiting_reason
+from hypermesh.state.gangs import GangTable
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.records import (
+    Attempt,
+    Claim,
+    ExperimentControl,
+    NodeRecord,
+    Result,
+    WorkflowRecord,
+)
 from hypermesh.state.task_metrics import AttemptMetrics
 
 log = logging.getLogger(__name__)
-
-State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-# Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
-# ``pruned``: the search stopped a trial early; its attempt and task end succeeded.
-REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned")
-# Failures that count against an experiment's retries (a lost or preempted node does not).
-COUNTED_REASONS = frozenset({"exit", "timeout", "data"})
-
-
-def dumps(value: dict[str, Any]) -> bytes:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """A registered node, as it registered itself (its key lives on its lease)."""
-
-    name: str
-    address: str
-    pool: str = "default"
-    spot: bool = False
-    slots: int = 1
-    gpus: int = 0
-    gpu_type: str = ""
-    cpus: float = 1.0
-    memory: int = 0
-    labels: dict[str, str] = field(default_factory=dict)
-    state: str = "alive"
-    started_at: float = 0.0
-    lease: int = 0
-    metrics: str = ""
-    """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
-    http_address: str = ""  # the node's web dashboard, if it serves one
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> NodeRecord:
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-@dataclass(frozen=True)
-class WorkflowRecord:
-    """A submitted workflow: the parsed recipe plus what submit fixed (id, seed, workdir)."""
-
-    id: str
-    name: str
-    recipe: Recipe
-    seed: int
-    submitted_at: float
-    workdir: str
-    source: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "recipe": self.recipe.to_json(),
-            "seed": self.seed,
-            "submitted_at": self.submitted_at,
-            "workdir": self.workdir,
-            "source": self.source,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> WorkflowRecord:
-        return cls(
-            id=data["id"],
-            name=data["name"],
-            recipe=Recipe.from_json(data["recipe"]),
-            seed=int(data["seed"]),
-            submitted_at=float(data["submitted_at"]),
-            workdir=data.get("workdir", ""),
-            source=data.get("source", ""),
-        )
-
-
-class Claim(NamedTuple):
-    """A node's claim on a task for one attempt; ``revision`` fences later writes."""
-
-    node: str
-    attempt: int
-    slot: int | None
-    lease: int
-    started_at: float
-    revision: int = 0
-
-
-class Attempt(NamedTuple):
-    """One try at running a task. ``state`` is running until the attempt ends."""
-
-    attempt: int
-    node: str
-    state: str
-    exit_code: int | None = None
-    reason: str | None = None
-    started_at: float | None = None
-    ended_at: float | None = None
-    revision: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "attempt": self.attempt,
-            "node": self.node,
-            "state": self.state,
-            "exit_code": self.exit_code,
-            "reason": self.reason,
-            "started_at": self.started_at,
-            "ended_at": self.ended_at,
-        }
-
-
-class Result(NamedTuple):
-    """A task's one final outcome."""
-
-    state: str
-    attempt: int
-    exit_code: int | None
-    ended_at: float
-
-
-@dataclass(frozen=True)
-class ExperimentControl:
-    """Live changes to one experiment of a submitted workflow (``expctl/`` key).
-
-    ``workers_set`` tells a changed cap apart from the recipe's: with it,
-    ``workers`` replaces the recipe's value (None = no cap, 0 = start nothing new).
-    ``extra_samples`` are tasks added on top of the recipe's count. ``revision``
-    is the key's mod revision, which writers compare to change it.
-    """
-
-    cancelled: bool = False
-    workers_set: bool = False
-    workers: int | None = None
-    extra_samples: int = 0
-    revision: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"cancelled": self.cancelled, "extra_samples": self.extra_samples}
-        if self.workers_set:
-            out["workers"] = self.workers
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any], revision: int = 0) -> ExperimentControl:
-        workers = data.get("workers")
-        if workers is not None and (not isinstance(workers, int) or workers < 0):
-            raise TypeError(f"workers must be a non-negative integer or null, not {workers!r}")
-        return cls(
-            cancelled=bool(data.get("cancelled", False)),
-            workers_set="workers" in data,
-            workers=workers,
-            extra_samples=int(data.get("extra_samples", 0)),
-            revision=revision,
-        )
-
-
-@dataclass
-class ExperimentSummary:
-    state: str
-    total: int
-    pending: int = 0
-    running: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    cancelled: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "total": self.total,
-            "pending": self.pending,
-            "running": self.running,
-            "succeeded": self.succeeded,
-            "failed": self.failed,
-            "cancelled": self.cancelled,
-        }
 
 
 def _decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
@@ -216,11 +50,16 @@ def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
         table[key] = value
 
 
-class MeshView:
+class Mirror:
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
-    Only the owner of the view (one agent task, or the CLI) calls ``apply``;
-    everything else reads. ``revision`` is the etcd revision the view reflects.
+    Only the owner of the mirror (one agent task, or the CLI) calls ``apply``,
+    ``reset``, ``settle`` and ``set_defer_batches``; everything else reads, mostly
+    through ``MeshView``, the subclass that adds the derived answers. ``revision`` is
+    the etcd revision the mirror reflects. After every call the incremental tables
+    (``open``, ``counts``, ``block_open``) agree with ``tasks``, ``claims`` and
+    ``results``; with ``defer_batches`` set, a block's batches reach the per-task
+    tables only when it is settled.
     """
 
     def __init__(self, keyspace: Keyspace) -> None:
@@ -721,206 +560,3 @@ class MeshView:
             bucket.discard(int(parts[2]))
         else:
             bucket.add(int(parts[2]))
-
-    # ------------------------------------------------------------------ reading
-    def leader(self) -> str | None:
-        """The leading node: the live candidate with the lowest create revision."""
-        live = [c for c in self.candidates.values() if c[1] in self.nodes]
-        return min(live)[1] if live else None
-
-    def vacant_candidacies(self) -> list[str] | None:
-        """None while a live node leads. Otherwise leadership is open, and these are the
-        candidacy keys (their part under ``elect/``) left by nodes that are gone; a
-        node that stands clears them in the same transaction."""
-        if self.leader() is not None:
-            return None
-        return sorted(self.candidates)
-
-    def running_on(self, node: str) -> list[TaskRef]:
-        return sorted(ref for ref, c in self.claims.items() if c.node == node)
-
-    def workflow_state(self, wid: str) -> str:
-        return self.workflow_states.get(wid, "pending")
-
-    def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
-        return sorted(
-            r
-            for r in self.tasks
-            if r.workflow == wid and (experiment is None or r.experiment == experiment)
-        )
-
-    def control(self, wid: str, experiment: str) -> ExperimentControl:
-        """The live changes made to an experiment (none: the recipe as submitted)."""
-        return self.controls.get((wid, experiment)) or ExperimentControl()
-
-    def experiment_cancelled(self, wid: str, experiment: str) -> bool:
-        return self.control(wid, experiment).cancelled
-
-    def workers(self, wid: str, exp: Experiment) -> int | None:
-        """The experiment's ``workers`` cap now: a live change, else the recipe's."""
-        control = self.control(wid, exp.name)
-        return control.workers if control.workers_set else exp.workers
-
-    def target_count(self, wid: str, exp: Experiment) -> int:
-        """How many tasks the experiment is to have: the recipe's plus those added live."""
-        return planned_count(exp) + self.control(wid, exp.name).extra_samples
-
-    def task_state(self, ref: TaskRef) -> str:
-        result = self.results.get(ref)
-        if result is not None:
-            return result.state
-        if ref in self.claims:
-            return "running"
-        if self.workflow_state(ref.workflow) == "cancelled" or self.experiment_cancelled(
-            ref.workflow, ref.experiment
-        ):
-            return "cancelled"
-        return "pending"
-
-    def counted_failures(self, ref: TaskRef) -> int:
-        """Ended attempts that count against ``retries`` (failed exits and timeouts),
-        since the last ``retry`` of the task (``retry_from`` in its key)."""
-        reopened = self._reopened.get(ref)
-        since = reopened[1] if reopened else int(self.tasks.get(ref, {}).get("retry_from", 0))
-        return sum(
-            1
-            for a in self.attempts.get(ref, {}).values()
-            if a.attempt > since and a.state == "failed" and a.reason in COUNTED_REASONS
-        )
-
-    def final_state(self, ref: TaskRef, state: str, reason: str, retries: int) -> str | None:
-        """The task's result after an attempt ended ``state`` for ``reason``: None while
-        it runs again (a lost or preempted node, or a counted failure within
-        ``retries``), else ``state``."""
-        if state != "failed":
-            return state
-        if reason not in COUNTED_REASONS:
-            return None
-        return "failed" if self.counted_failures(ref) + 1 > retries else None
-
-    def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
-        wstate = self.workflow_state(wf.id)
-        stopped = wstate == "cancelled" or self.experiment_cancelled(wf.id, exp.name)
-        count = self.expanded.get((wf.id, exp.name))
-        if count is None:
-            total = self.target_count(wf.id, exp)
-            blocked = any(
-                self.experiment_summary(wf, wf.recipe.experiment(dep)).state
-                in ("failed", "cancelled")
-                for dep in exp.after
-            )
-            if stopped or blocked:
-                return ExperimentSummary("cancelled", total, cancelled=total)
-            return ExperimentSummary("pending", total, pending=total)
-        counts = self.counts.get((wf.id, exp.name), Counter())
-        # Samples added live count from the moment they are asked for, before the
-        # leader writes their tasks; a cancelled experiment gets no more.
-        if not stopped:
-            count = max(count, self.target_count(wf.id, exp))
-        count = max(count, sum(counts.values()))
-        summary = ExperimentSummary("pending", count)
-        summary.running = counts["running"]
-        summary.succeeded = counts["succeeded"]
-        summary.failed = counts["failed"]
-        summary.cancelled = counts["cancelled"]
-        waiting = count - summary.running - summary.succeeded - summary.failed - summary.cancelled
-        if stopped:
-            summary.cancelled += waiting
-        else:
-            summary.pending = waiting
-        done = summary.succeeded + summary.failed + summary.cancelled
-        if done == count:
-            summary.state = (
-                "failed" if summary.failed else "cancelled" if summary.cancelled else "succeeded"
-            )
-        elif summary.running or done:
-            summary.state = "running"
-        return summary
-
-    def workflow_summary(self, wid: str) -> dict[str, Any]:
-        """The ``hypermesh status --json`` object of one workflow."""
-        wf = self.workflows[wid]
-        experiments = {exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments}
-        stored = self.workflow_state(wid)
-        state = stored
-        if stored not in TERMINAL:
-            active = any(s.state == "running" for s in experiments.values())
-            state = "running" if active or stored == "running" else "pending"
-        return {
-            "id": wid,
-            "name": wf.name,
-            "state": state,
-            "submitted_at": wf.submitted_at,
-            "experiments": {
-                name: s.to_json() | self._gang_waiting(wf, name) for name, s in experiments.items()
-            },
-        }
-
-    def _gang_waiting(self, wf: WorkflowRecord, name: str) -> dict[str, str]:
-        """``{"waiting": why}`` for a gang experiment whose oldest pending task waits."""
-        exp = wf.recipe.experiment(name)
-        if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
-            return {}
-        for index in sorted(self.open.get((wf.id, name), ())):
-            reason = waiting_reason(self, TaskRef(wf.id, name, index), exp)
-            if reason is not None:
-                return {"waiting": reason}
-        return {}
-
-    def derived_final_state(self, wid: str) -> str | None:
-        """The terminal state the workflow has reached, or None while work remains."""
-        wf = self.workflows[wid]
-        states = [self.experiment_summary(wf, e).state for e in wf.recipe.experiments]
-        if any(s not in TERMINAL for s in states):
-            return None
-        if "failed" in states:
-            return "failed"
-        if "cancelled" in states:
-            return "cancelled"
-        return "succeeded"
-
-    def task_json(self, ref: TaskRef) -> dict[str, Any]:
-        """One entry of ``hypermesh tasks --json``."""
-        attempts = [a.to_json() for _, a in sorted(self.attempts.get(ref, {}).items())]
-        reported = self.metrics.get(ref, {})
-        for a in attempts:
-            m = reported.get(a["attempt"])
-            a["metrics"] = dict(m.last) if m else {}
-            a["intermediate"] = {k: [list(p) for p in v] for k, v in m.history.items()} if m else {}
-        claim = self.claims.get(ref)
-        node = claim.node if claim else (attempts[-1]["node"] if attempts else None)
-        return {
-            "id": ref.id,
-            "experiment": ref.experiment,
-            "index": ref.index,
-            "params": self.tasks.get(ref, {}).get("params", {}),
-            "state": self.task_state(ref),
-            "node": node,
-            "attempts": attempts,
-            "metrics": self.task_metrics(ref),
-            "pruned": self.pruned(ref),
-        } | self._task_waiting(ref)
-
-    def _task_waiting(self, ref: TaskRef) -> dict[str, str]:
-        wf = self.workflows.get(ref.workflow)
-        if wf is None or self.task_state(ref) != "pending":
-            return {}
-        reason = waiting_reason(self, ref, wf.recipe.experiment(ref.experiment))
-        return {} if reason is None else {"waiting": reason}
-
-    def task_metrics(self, ref: TaskRef) -> dict[str, float]:
-        """Last metric values of the attempt that decided the task (or the newest that
-        reported any): what ``best`` and the search rank it by."""
-        reported = self.metrics.get(ref, {})
-        result = self.results.get(ref)
-        if result is not None and result.attempt in reported:
-            return dict(reported[result.attempt].last)
-        for n in sorted(reported, reverse=True):
-            if reported[n].last:
-                return dict(reported[n].last)
-        return {}
-
-    def pruned(self, ref: TaskRef) -> bool:
-        result = self.results.get(ref)
-        attempt = self.attempts.get(ref, {}).get(result.attempt) if result else None
-        return attempt is not None and attempt.reason == "pruned"

@@ -1,0 +1,170 @@
+"""One claim round of an agent: fill its free slots with work that fits.
+
+First from the blocks it holds (claiming another block when they have nothing left to
+start, ``agent/tasks/blocks.py``), then task by task: ``choose_claims`` picks what fits
+this node's free slots and GPUs (with the locality and pool preferences' say), and one
+transaction claims the lot on the node lease (``claim_tasks``). What it won starts at once
+(:meth:`~hypermesh.agent.tasks.attempts.Attempts.start`); what it lost, another node won,
+and the watch brings the change. A claim whose transaction may or may not have been
+written (etcd went away during it) is read back later (``agent/claims/unsure.py``).
+
+Read-your-writes: no task is claimed task by task before the mirrored view has caught up
+with the newest revision this node wrote, so a task it just finished is never mistaken for
+an open one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims
+from hypermesh.agent.tasks.blocks import choose_block
+from hypermesh.agent.tasks.running import Running
+from hypermesh.errors import EtcdUnavailable
+from hypermesh.state.txns import ClaimPlan, claim_tasks
+
+if TYPE_CHECKING:
+    from hypermesh.agent.claims.locality import Locality
+    from hypermesh.agent.claims.pool_wait import PoolWait
+    from hypermesh.agent.claims.unsure import UnsureClaims
+    from hypermesh.agent.gang.duty import GangDuty
+    from hypermesh.agent.ops.telemetry import Machine
+    from hypermesh.agent.tasks.attempts import Attempts
+    from hypermesh.agent.tasks.blocks import BlockDuty
+    from hypermesh.agent.tasks.gpu_pool import DeviceSource, GpuPool
+    from hypermesh.config import AgentConfig
+    from hypermesh.state.etcd import Etcd
+    from hypermesh.state.keyspace import Keyspace, TaskRef
+    from hypermesh.state.records import NodeRecord
+    from hypermesh.state.view import MeshView
+
+
+class ClaimerHost(Protocol):
+    """What :class:`Claimer` uses of its agent. It writes ``claiming`` (the tasks of the
+    claim transaction in flight, empty between rounds) and ``written_revision`` (never
+    lowers it)."""
+
+    cfg: AgentConfig
+    view: MeshView
+    etcd: Etcd
+    ks: Keyspace
+    lease: int
+    machine: Machine
+    gpu_source: DeviceSource
+    gpu_pool: GpuPool
+    locality: Locality | None
+    pool_wait: PoolWait
+    unsure: UnsureClaims
+    gangs: GangDuty
+    blocks: BlockDuty
+    attempts: Attempts
+    claiming: set[TaskRef]
+    written_revision: int
+    stopping: asyncio.Event
+    lease_lost: asyncio.Event
+
+    def record(self) -> NodeRecord: ...
+
+    def decide(self, message: str) -> None: ...
+
+
+class Claimer:
+    """The agent's claim rounds; the scheduling loop runs one at a time on the agent's
+    event loop. Every attempt it claims or starts is in the agent's ``running`` from the
+    moment its claim is won."""
+
+    def __init__(self, agent: ClaimerHost) -> None:
+        self.agent = agent
+        self.rng = random.Random()
+
+    async def claim(self) -> None:
+        """Claim and start what fits now, until nothing more does."""
+        a = self.agent
+        await self._start_block_tasks()
+        while not a.stopping.is_set() and not a.lease_lost.is_set():
+            batch = min(a.cfg.claim_batch, 100 // ClaimPlan.OPS)
+            if a.view.revision < a.written_revision:
+                return  # the watch will bring our own writes and wake us
+            if not a.view.open_task_by_task():
+                return  # all open work is in blocks, started above
+            load = self._load()
+            me = a.record()
+            placement = a.locality.placement(a.view) if a.locality else None
+            preference = a.pool_wait.round(a.view, me)
+            plans = choose_claims(a.view, me, load, batch, self.rng, placement, preference)
+            if a.locality is not None and placement is not None:
+                a.locality.after_round(placement, a.view)
+            a.pool_wait.after_round(preference)
+            if not plans:
+                return
+            # Until the claim is decided its slots and GPUs are taken here, so that a
+            # gang seat joined meanwhile (agent/gang/duty.py) cannot take them too.
+            a.claiming = {plan.ref for plan in plans}
+            if load.gpu_pool is not None:
+                for plan in plans:
+                    a.gpu_pool.adopt(load.gpu_pool, plan.ref)
+            revision = None
+            now = time.time()
+            try:
+                revision = await claim_tasks(a.etcd, a.ks, plans, a.cfg.name, a.lease, now)
+            except EtcdUnavailable:
+                a.unsure.tasks(plans, now)  # written or not: read back when etcd is back
+                raise
+            finally:
+                a.claiming = set()
+                if revision is None:
+                    for plan in plans:
+                        a.gpu_pool.release(plan.ref)
+            if revision is None:
+                # Someone else got there first; the watch will bring the change.
+                return
+            a.written_revision = max(a.written_revision, revision)
+            for plan in plans:
+                exp = a.view.workflows[plan.ref.workflow].recipe.experiment(plan.ref.experiment)
+                r = Running(plan, revision, exp.hardware.gpus)
+                if load.gpu_pool is not None:
+                    r.devices = a.gpu_pool.adopt(load.gpu_pool, plan.ref)
+                if plan.lost is not None:
+                    a.decide(f"{plan.ref} attempt {plan.lost.attempt} on {plan.lost.node} lost")
+                a.attempts.start(r)
+            a.decide(f"claimed {', '.join(str(p.ref) for p in plans)}")
+
+    async def _start_block_tasks(self) -> None:
+        """Fill free slots from the blocks held here, claiming another block when
+        they have nothing left to start (agent/tasks/blocks.py)."""
+        a = self.agent
+        me = a.record()
+        running, blocks = a.attempts.running, a.blocks
+        while not a.stopping.is_set() and not a.lease_lost.is_set():
+            if me.slots - len(running) - len(a.gangs.held()) - len(a.claiming) <= 0:
+                return
+            start = blocks.next_start()
+            if start is None:
+                if not blocks.wants_block():
+                    return
+                bref = choose_block(a.view, me, set(blocks.held), self.rng)
+                if bref is None or await blocks.claim(bref) is None:
+                    return
+                continue
+            block, ref, n, started_at = start
+            a.attempts.start(Running(ClaimPlan(ref, n), block.fence, 0.0, block=block.ref,
+                                     started_at=started_at))
+
+    def _load(self) -> LocalLoad:
+        """What this node's attempts, gang seats and claim in flight take now."""
+        a = self.agent
+        load = LocalLoad()
+        for ref, r in a.attempts.running.items():
+            load.running.add(ref)
+            if r.plan.slot is not None:
+                load.slots_held.add((ref.workflow, ref.experiment, r.plan.slot))
+            load.gpus_used += r.gpus
+        load.running |= a.gangs.held()  # a seat in a gang takes a slot
+        load.running |= a.claiming
+        if a.machine.gpus:
+            load.gpu_pool = a.gpu_pool.copy()
+            load.gpu_devices = a.gpu_source.devices()
+        return load

@@ -1,0 +1,339 @@
+"""SWIM's dissemination half: how news about members spreads and how it is merged.
+
+Merging (memberlist's aliveNode/suspectNode/deadNode and mergeState):
+:func:`apply` takes one update by the precedence of
+:func:`~hypermesh.agent.gossip.members.supersedes`, starts a Lifeguard
+:class:`~hypermesh.agent.gossip.suspicion.Suspicion` for a new suspect (or
+counts a confirmation of a held one), and refutes news that this member is
+suspect or dead; :func:`merge_table` takes a push-pull table.
+
+Spreading: every message carries queued updates (:func:`piggyback`,
+:func:`message`, :func:`ping`), a gossip round sends them to a few random
+members besides (:func:`gossip_round`), and whole tables are exchanged by
+push-pull: periodically with a random member, now and then with a dead one (to
+heal a partition), and with a seed on joining (:func:`join`). News of this
+member itself starts here too: new meta (:func:`publish_meta`) and leaving
+(:func:`leave`).
+
+What it guarantees: news is re-gossiped only when it changed what this member
+knows (or confirmed a suspicion it holds); a member that has not left answers
+a suspicion or death of itself at its incarnation (or above) with a higher one,
+and a stale one by spreading its current alive update again; a push-pull never
+makes a death here on its own (a reported death counts as a suspicion, which
+its member can still refute).
+
+It holds no state: every function works on the
+:class:`~hypermesh.agent.gossip.state.SwimState` it is given, called from
+:class:`~hypermesh.agent.gossip.swim.Swim`'s event methods or from
+:mod:`~hypermesh.agent.gossip.probe`. Pure, like both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from hypermesh.agent.gossip.broadcast import (
+    ALIVE,
+    DEAD,
+    LEFT,
+    SUSPECT,
+    Message,
+    Outgoing,
+    Update,
+)
+from hypermesh.agent.gossip.members import _LIVE, _Member, supersedes
+from hypermesh.agent.gossip.state import SwimState
+from hypermesh.agent.gossip.suspicion import (
+    Suspicion,
+    expected_confirmations,
+    health_scaled,
+    push_pull_period,
+    suspicion_bounds,
+)
+
+_INF = math.inf
+
+# ---------------------------------------------------------------- merging
+
+
+def apply(s: SwimState, u: Update, now: float, gossip: bool) -> None:
+    """Merge one update by the precedence rules; re-gossip it if it was news."""
+    if u.member == s.name:
+        _about_me(s, u, now)
+        return
+    cur = s._table.get(u.member)
+    if cur is None:
+        if u.state != ALIVE:
+            return  # suspicions and deaths of strangers are no news to act on
+        meta = u.meta_json if u.meta_json is not None else "{}"
+        s._store(u.member, _Member(u.address, ALIVE, u.incarnation, u.meta_version, meta, now))
+        s._record(u.member, "", ALIVE, now)
+        s._meta_changed[u.member] = None
+    elif u.state == ALIVE:
+        if not _apply_alive(s, u, cur, now):
+            return
+    elif u.state == SUSPECT and cur.state == SUSPECT and u.incarnation >= cur.incarnation:
+        if u.incarnation > cur.incarnation:
+            s._store(
+                u.member,
+                _Member(
+                    cur.address,
+                    SUSPECT,
+                    u.incarnation,
+                    cur.meta_version,
+                    cur.meta_json,
+                    cur.since,
+                ),
+            )
+        susp = s._suspicions.get(u.member)
+        if susp is None or not susp.confirm(u.source):
+            return
+        s._susp_next = min(s._susp_next, susp.deadline())
+    elif supersedes(u.state, u.incarnation, cur.state, cur.incarnation):
+        s._store(
+            u.member,
+            _Member(cur.address, u.state, u.incarnation, cur.meta_version, cur.meta_json, now),
+        )
+        s._record(u.member, cur.state, u.state, now)
+        s._drop_suspicion(u.member)
+        if u.state == SUSPECT:
+            low, high = suspicion_bounds(s._n_live, s.cfg)
+            if u.source == s.name:
+                # Our own accusation, alone, waits as long as we are sick; once
+                # healthy members confirm it, our health no longer matters.
+                high = health_scaled(high, s._awareness)
+            k = expected_confirmations(s._n_live, s.cfg)
+            s._hold_suspicion(u.member, Suspicion(now, u.source, k, low, high))
+            # About 2k members check an accusation for themselves (all of them in
+            # a small mesh): enough confirmations, no storm of pings at the suspect.
+            if u.source != s.name and s._rng.random() * s._n_live < 2 * k + 2:
+                s._to_confirm.add(u.member)
+    else:
+        return
+    if gossip:
+        s._queue.push(u)
+
+
+def _apply_alive(s: SwimState, u: Update, cur: _Member, now: float) -> bool:
+    take_meta = u.meta_json is not None and u.meta_version >= cur.meta_version
+    meta_json = u.meta_json if take_meta and u.meta_json is not None else cur.meta_json
+    version = u.meta_version if take_meta else cur.meta_version
+    if u.incarnation > cur.incarnation:
+        since = cur.since if cur.state == ALIVE else now
+        s._store(u.member, _Member(u.address, ALIVE, u.incarnation, version, meta_json, since))
+        s._drop_suspicion(u.member)
+        if cur.state != ALIVE:
+            s._record(u.member, cur.state, ALIVE, now)
+    elif (
+        u.incarnation == cur.incarnation
+        and u.meta_version > cur.meta_version
+        and take_meta
+        and cur.state in _LIVE
+    ):
+        s._store(
+            u.member,
+            _Member(cur.address, cur.state, cur.incarnation, version, meta_json, cur.since),
+        )
+    else:
+        return False
+    if take_meta and meta_json != cur.meta_json:
+        s._meta_changed[u.member] = None
+    return True
+
+
+def _about_me(s: SwimState, u: Update, now: float) -> None:
+    """News about this member: refute suspicion and death, catch up with stale
+    incarnations from an earlier life under the same name."""
+    if s._left:
+        return
+    if u.state == ALIVE:
+        if u.incarnation > s._incarnation or u.meta_version > s._meta_version:
+            _refute(s, u, now)
+    elif u.incarnation >= s._incarnation:
+        s._bump_awareness(1)
+        s.log.append((now, s.name, "refuted", u.state))
+        _refute(s, u, now)
+    elif u.state != LEFT and s.name not in s._queue:
+        # An accusation we already refuted is still going round: whoever carries it
+        # missed the refutation, so spread it again (no new incarnation needed).
+        s._queue.push(s._self_update())
+
+
+def _refute(s: SwimState, u: Update, now: float) -> None:
+    s._incarnation = max(s._incarnation, u.incarnation) + 1
+    if u.meta_version > s._meta_version:
+        s._meta_version = u.meta_version + 1
+    s._store_self(now)
+    s._queue.push(s._self_update())
+
+
+def merge_table(s: SwimState, msg: Message, now: float) -> None:
+    """Push-pull merge. A reported death only counts as a suspicion here (the
+    member can still refute it); news about the peer itself and new suspicions
+    are gossiped on, the rest stays a local repair."""
+    table = s._table
+    for u in msg.table:
+        cur = table.get(u.member)
+        if cur is not None and cur.row is u:
+            continue  # the very record we hold (shared roster entries): nothing new
+        if u.state == DEAD or (u.state == SUSPECT and not u.source):
+            u = Update(u.member, u.address, SUSPECT, u.incarnation, source=msg.sender)
+        apply(s, u, now, gossip=u.member == msg.sender or u.state == SUSPECT)
+
+
+# ---------------------------------------------------------------- push-pull and joining
+
+
+def on_push_pull(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
+    """A push-pull request: merge the peer's table, answer with ours."""
+    merge_table(s, msg, now)
+    reply = Message("push_pull_reply", s.name, s.address, table=s._table_rows())
+    out.append(Outgoing(msg.sender, msg.sender_addr, reply))
+
+
+def on_push_pull_reply(s: SwimState, msg: Message, now: float) -> None:
+    """The answer to our push-pull: merge it; from the seed we joined through, it
+    completes the join."""
+    merge_table(s, msg, now)
+    if msg.sender == s._join_target:
+        s._join_pending, s._join_target, s._join_retry_at = [], "", _INF
+
+
+def push_pull_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Push-pull with one random alive member; the next round is a push-pull period on."""
+    s._next_push_pull = now + push_pull_period(s._n_live, s.cfg)
+    for name in s._random_members(1, (s.name,), (ALIVE,)):
+        rec = s._table.get(name)
+        assert rec is not None
+        out.append(s._push_pull(name, rec.address))
+
+
+def reconnect_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Push-pull with one random dead member, now and then: after a partition
+    heals, the first exchange across it makes both ends refute their deaths."""
+    s._next_reconnect = now + s.cfg.reconnect_interval
+    # Attempt with probability dead/live: the whole mesh then tries each dead
+    # member about once per interval, however large it is.
+    if s._dead and s._rng.random() * max(1, s._n_live - 1) < len(s._dead):
+        name = s._rng.choice(list(s._dead))
+        rec = s._table.get(name)
+        if rec is not None:
+            out.append(s._push_pull(name, rec.address))
+
+
+def join(s: SwimState, seeds: Sequence[tuple[str, str]], now: float, out: list[Outgoing]) -> None:
+    """Learn ``seeds`` as alive members (incarnation 0), queue news of this member,
+    and push-pull with one seed (in random order)."""
+    pending = []
+    for name, address in seeds:
+        if name == s.name:
+            continue
+        if s._table.get(name) is None:
+            apply(s, Update(name, address, ALIVE, 0), now, gossip=False)
+        pending.append((name, address))
+    s._rng.shuffle(pending)
+    s._join_pending = pending
+    s._queue.push(s._self_update())
+    join_next(s, now, out)
+
+
+def join_next(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Push-pull with the next untried seed, if any; retried after two periods."""
+    s._join_target, s._join_retry_at = "", _INF
+    if s._join_pending:
+        name, address = s._join_pending.pop()
+        s._join_target = name
+        s._join_retry_at = now + 2 * s.cfg.protocol_period
+        out.append(s._push_pull(name, address))
+
+
+# ---------------------------------------------------------------- news of this member
+
+
+def publish_meta(s: SwimState, meta: dict[str, Any], now: float) -> None:
+    """New meta for this member: a new meta version, spread as an alive update."""
+    s._meta_json = s._checked_meta(meta)
+    s._meta_version += 1
+    s._store_self(now)
+    s._meta_changed[s.name] = None
+    s._queue.push(s._self_update())
+
+
+def leave(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Announce that this member left, stop every round but gossip, and gossip now."""
+    if s._left:
+        return
+    s._left = True
+    s._record(s.name, ALIVE, LEFT, now)
+    s._store(s.name, _Member(s.address, LEFT, s._incarnation, s._meta_version, s._meta_json, now))
+    s._queue.push(Update(s.name, s.address, LEFT, s._incarnation, source=s.name))
+    for p in list(s._probes.values()):
+        s._end_probe(p)
+    s._next_probe = s._next_push_pull = s._next_reconnect = _INF
+    s._join_retry_at = _INF
+    gossip_round(s, now, out)
+
+
+# ---------------------------------------------------------------- piggybacking
+
+
+def gossip_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """One gossip round: queued updates to ``gossip_fanout`` random live members."""
+    s._next_gossip = now + s.cfg.gossip_interval
+    limit = s._retransmit_limit()
+    for name in s._random_members(s.cfg.gossip_fanout, (s.name,), _LIVE):
+        updates = s._queue.take(s.cfg.max_piggyback, limit)
+        if not updates:
+            break
+        rec = s._table.get(name)
+        assert rec is not None
+        msg = Message("gossip", s.name, s.address, updates=tuple(updates))
+        out.append(Outgoing(name, rec.address, msg))
+
+
+def ping(s: SwimState, target: str, rec: _Member, seq: int) -> Outgoing:
+    """A ping; to a suspect it carries the suspicion first, so the suspect hears
+    of it from whoever probes it and can refute at once (Lifeguard's buddy system)."""
+    updates: list[Update] = []
+    if rec.state == SUSPECT:
+        susp = s._suspicions.get(target)
+        accuser = susp.accuser if susp else s.name
+        updates.append(Update(target, rec.address, SUSPECT, rec.incarnation, source=accuser))
+    updates += s._queue.take(
+        s.cfg.max_piggyback - len(updates),
+        s._retransmit_limit(),
+        skip=target if updates else "",
+    )
+    msg = Message("ping", s.name, s.address, seq=seq, target=target, updates=tuple(updates))
+    return Outgoing(target, rec.address, msg)
+
+
+def message(
+    s: SwimState,
+    to: str,
+    address: str,
+    kind: str,
+    seq: int = 0,
+    target: str = "",
+    target_addr: str = "",
+) -> Outgoing:
+    """A protocol message from this member with queued updates riding on it."""
+    msg = Message(
+        kind,
+        s.name,
+        s.address,
+        seq=seq,
+        target=target,
+        target_addr=target_addr,
+        updates=piggyback(s),
+    )
+    return Outgoing(to, address, msg)
+
+
+def piggyback(s: SwimState) -> tuple[Update, ...]:
+    """The queued updates for one message (each taken counts a transmission)."""
+    if not s._queue:
+        return ()
+    return tuple(s._queue.take(s.cfg.max_piggyback, s._retransmit_limit()))

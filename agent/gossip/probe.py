@@ -1,0 +1,360 @@
+"""SWIM's failure-detection half: probes, relays, and the verdicts they lead to.
+
+Every protocol period this member pings the next member of a shuffled
+round-robin order (:func:`start_probe`); without an ack by the probe timeout it
+asks k others to ping the target for it (:func:`go_indirect`); without an ack
+by the end of the period the target is suspect. It also probes, out of turn,
+suspects that others accused (:func:`confirmation_probes`), and members that
+refused a connection (:func:`start_fast_probe`), which are declared dead when
+``refused_quorum`` members saw them refuse. For others' indirect probes it
+relays pings (:func:`on_ping_req`) and answers each with an ack or a nack.
+
+Suspicion timeouts end here too (:func:`expire_suspicions`): a confirmed one
+is a death, an unconfirmed one gets one last probe first. Local health
+(Lifeguard awareness) rises with probes that fail without nacks and with late
+ticks (:func:`on_late_tick`), and stretches this member's timeouts and period.
+
+What it guarantees: at most one probe per target, and every probe ends by its
+``end_at`` (on an ack, a quorum of refusals, every prober's answer about a
+refusing target, or its end); a relay answers its requester at most once; a
+member is declared dead here only on a quorum of refusals or on a suspicion
+that ran out; probes in flight across a stall of our own event loop count for
+nothing.
+
+It holds no state: every function works on the
+:class:`~hypermesh.agent.gossip.state.SwimState` it is given, called from
+:class:`~hypermesh.agent.gossip.swim.Swim`'s event methods. News it makes (a
+suspicion, a death) goes through :func:`~hypermesh.agent.gossip.dissemination.apply`
+like news from anyone else. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypermesh.agent.gossip.broadcast import (
+    ALIVE,
+    DEAD,
+    SUSPECT,
+    Message,
+    Outgoing,
+    Update,
+)
+from hypermesh.agent.gossip.dissemination import apply, message, piggyback, ping
+from hypermesh.agent.gossip.members import _LIVE, _Member
+from hypermesh.agent.gossip.state import SwimState, _Probe, _Relay
+from hypermesh.agent.gossip.suspicion import Suspicion, health_scaled, probe_deadline
+
+# ---------------------------------------------------------------- starting probes
+
+
+def start_probe(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """This period's probe: the next target of the round-robin order."""
+    period = health_scaled(s.cfg.protocol_period, s._awareness)
+    s._next_probe = now + period
+    target = _next_target(s, now)
+    if target is None or target in s._probing:
+        return
+    rec = s._table.get(target)
+    assert rec is not None
+    _ping(s, target, rec, now, out)
+
+
+def confirmation_probes(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Probe, out of turn, suspects that others accused: our independent verdict
+    is a confirmation that brings the suspicion to its shortest timeout (or our
+    ack-carrying probe helps the suspect refute). Waiting for our round-robin turn
+    would take up to N periods — longer still while we are sick ourselves."""
+    for target in s._to_confirm:
+        rec = s._table.get(target)
+        if rec is None or rec.state != SUSPECT or target in s._probing:
+            continue
+        _ping(s, target, rec, now, out)
+    s._to_confirm.clear()
+
+
+def _ping(s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoing]) -> None:
+    """Probe ``target`` directly: a ping with its deadlines (both scaled by our health)."""
+    timeout = health_scaled(s.cfg.probe_timeout, s._awareness)
+    end = now + health_scaled(probe_deadline(s.cfg), s._awareness)
+    probe = _Probe(s._new_seq(), target, rec.address, now + timeout, end)
+    s._probes[probe.seq] = probe
+    s._probing[target] = probe.seq
+    out.append(ping(s, target, rec, probe.seq))
+
+
+def start_fast_probe(
+    s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoing]
+) -> None:
+    """``target`` refused a connection: probe it through others at once."""
+    if target in s._probing:
+        return
+    window = probe_deadline(s.cfg) - s.cfg.probe_timeout
+    end = now + health_scaled(window, s._awareness)
+    probe = _Probe(s._new_seq(), target, rec.address, now, end, direct_refused=True)
+    s._probes[probe.seq] = probe
+    s._probing[target] = probe.seq
+    go_indirect(s, probe, now, out)
+
+
+def _next_target(s: SwimState, now: float) -> str | None:
+    """The next live member of a pseudo-random round-robin order.
+
+    Each pass visits every member exactly once in the order ``(a*i + b) mod M``
+    with fresh random a (coprime to M) and b: a shuffle that needs no list of
+    its own, so 10,000 simulated members do not each hold 10,000 names.
+    """
+    size = s._table.size()
+    for _ in range(2 * size + 2):
+        pos, length, mult, offset = s._order
+        if pos >= length:
+            s._reclaim(now)
+            length = s._table.size()
+            if length < 2:
+                return None
+            mult = s._rng.randrange(1, length)
+            while math.gcd(mult, length) != 1:
+                mult = s._rng.randrange(1, length)
+            pos, offset = 0, s._rng.randrange(length)
+        s._order = (pos + 1, length, mult, offset)
+        name = s._table.name_at((mult * pos + offset) % length)
+        rec = s._table.get(name)
+        if name != s.name and rec is not None and rec.state in _LIVE:
+            return name
+    return None
+
+
+# ---------------------------------------------------------------- probes in flight
+
+
+def go_indirect(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -> None:
+    """No ack in time (or the send failed): ask k random alive members to ping."""
+    probe.indirect = True
+    helpers = s._random_members(s.cfg.indirect_checks, (s.name, probe.target), (ALIVE,))
+    for helper in helpers:
+        rec = s._table.get(helper)
+        assert rec is not None
+        out.append(
+            message(
+                s,
+                helper,
+                rec.address,
+                "ping_req",
+                seq=probe.seq,
+                target=probe.target,
+                target_addr=probe.address,
+            )
+        )
+    probe.sent = len(helpers)
+    probe.via = set(helpers)
+    check_refused(s, probe, now, out)
+
+
+def check_refused(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -> None:
+    """The refused fast path: dead on a quorum of refusals, else suspect as soon as
+    every indirect prober has answered."""
+    if probe.seq not in s._probes:
+        return
+    refusals = len(probe.refused_by) + probe.direct_refused
+    quorum = s.cfg.refused_quorum
+    if quorum and refusals >= quorum:
+        s._end_probe(probe)
+        _declare_dead(s, probe.target, now, "refused")
+    elif probe.direct_refused and probe.indirect and not probe.via:
+        s._end_probe(probe)
+        _fail_target(s, probe, now)
+
+
+def probe_failed(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -> None:
+    """The probe's end came without an ack."""
+    s._end_probe(probe)
+    if not probe.direct_refused:
+        missed = probe.sent - probe.answered if probe.sent else 1
+        s._bump_awareness(max(0, missed))
+    _fail_target(s, probe, now)
+
+
+def _fail_target(s: SwimState, probe: _Probe, now: float) -> None:
+    if probe.verify and s._verifying.pop(probe.target, None) is not None:
+        _declare_dead(s, probe.target, now, "suspicion timeout, unconfirmed, last probe failed")
+    else:
+        _suspect(s, probe.target, now)
+
+
+def undelivered(s: SwimState, to: str, now: float, refused: bool, out: list[Outgoing]) -> bool:
+    """A message to ``to`` could not be delivered: move our probe of it to its
+    indirect stage (or count the refusal), nack the relays that target it, and
+    count it as an answer from a prober. True if ``to`` was under our probe or a
+    relay's."""
+    handled = False
+    seq = s._probing.get(to)
+    if seq is not None:
+        probe = s._probes[seq]
+        probe.direct_refused = probe.direct_refused or refused
+        if not probe.indirect:
+            go_indirect(s, probe, now, out)
+        else:
+            check_refused(s, probe, now, out)
+        handled = True
+    for rseq, relay in list(s._relays.items()):
+        if relay.target == to:
+            del s._relays[rseq]
+            out.append(_nack(s, relay, refused))
+            handled = True
+    for probe in list(s._probes.values()):
+        if to in probe.via:
+            probe.via.discard(to)
+            probe.answered += 1
+            check_refused(s, probe, now, out)
+    return handled
+
+
+# ---------------------------------------------------------------- messages
+
+
+def on_ping(s: SwimState, msg: Message, out: list[Outgoing]) -> None:
+    """A ping meant for this member (or for whoever listens there) is acked."""
+    if not msg.target or msg.target == s.name:
+        out.append(message(s, msg.sender, msg.sender_addr, "ack", seq=msg.seq))
+
+
+def on_ack(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
+    """An ack ends our probe, or is forwarded to whoever asked us to relay."""
+    probe = s._probes.get(msg.seq)
+    if probe is not None and probe.target in (msg.sender, msg.target):
+        s._end_probe(probe)
+        s._bump_awareness(-1)
+        susp = s._verifying.pop(probe.target, None) if probe.verify else None
+        rec = s._table.get(probe.target)
+        if susp is not None and rec is not None and rec.state == SUSPECT:
+            # It answered but its refutation did not reach us: give it a new term.
+            s._hold_suspicion(
+                probe.target,
+                Suspicion(now, susp.accuser, susp.k, susp.min_timeout, susp.max_timeout),
+            )
+        return
+    relay = s._relays.pop(msg.seq, None)
+    if relay is not None and msg.sender == relay.target:
+        out.append(
+            message(
+                s, relay.requester, relay.requester_addr, "ack", seq=relay.seq, target=relay.target
+            )
+        )
+
+
+def on_nack(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
+    """A prober could not reach our target (``refused``: the target refused it)."""
+    probe = s._probes.get(msg.seq)
+    if probe is None or msg.sender not in probe.via:
+        return
+    probe.via.discard(msg.sender)
+    probe.answered += 1
+    if msg.refused:
+        probe.refused_by.add(msg.sender)
+    check_refused(s, probe, now, out)
+
+
+def on_ping_req(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
+    """Ping ``msg.target`` for the sender's indirect probe, and relay the answer."""
+    if not msg.target or msg.target == s.name:
+        return
+    seq = s._new_seq()
+    s._relays[seq] = _Relay(
+        msg.sender, msg.sender_addr, msg.seq, msg.target, now + s.cfg.probe_timeout
+    )
+    rec = s._table.get(msg.target)
+    if rec is not None and rec.state == SUSPECT:
+        out.append(ping(s, msg.target, rec, seq))
+    else:
+        out.append(message(s, msg.target, msg.target_addr, "ping", seq=seq, target=msg.target))
+
+
+def expire_relays(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Nack the relays whose target stayed silent for a probe timeout."""
+    for seq, relay in list(s._relays.items()):
+        if now >= relay.nack_at:
+            del s._relays[seq]
+            out.append(_nack(s, relay, False))
+
+
+def _nack(s: SwimState, relay: _Relay, refused: bool) -> Outgoing:
+    msg = Message(
+        "nack",
+        s.name,
+        s.address,
+        seq=relay.seq,
+        target=relay.target,
+        updates=piggyback(s),
+        refused=refused,
+    )
+    return Outgoing(relay.requester, relay.requester_addr, msg)
+
+
+# ---------------------------------------------------------------- verdicts and health
+
+
+def _suspect(s: SwimState, target: str, now: float) -> None:
+    rec = s._table.get(target)
+    if rec is not None and rec.state in _LIVE:
+        apply(
+            s,
+            Update(target, rec.address, SUSPECT, rec.incarnation, source=s.name),
+            now,
+            gossip=True,
+        )
+
+
+def _declare_dead(s: SwimState, target: str, now: float, reason: str) -> None:
+    rec = s._table.get(target)
+    if rec is not None and rec.state in _LIVE:
+        s.log.append((now, target, "declared-dead", reason))
+        apply(
+            s,
+            Update(target, rec.address, DEAD, rec.incarnation, source=s.name),
+            now,
+            gossip=True,
+        )
+
+
+def expire_suspicions(s: SwimState, now: float, out: list[Outgoing]) -> None:
+    """Confirmed suspicions that ran out become deaths. One that nobody confirmed
+    gets a last probe first (carrying the suspicion): if the suspect answers, it
+    refutes in its ack; only if it stays silent is it dead. This catches the rare
+    member that missed a refutation on every one of its retransmissions."""
+    for member, susp in list(s._suspicions.items()):
+        if susp.deadline() > now:
+            continue
+        s._drop_suspicion(member)
+        if susp.confirmers:
+            _declare_dead(
+                s, member, now, f"suspicion timeout, {len(susp.confirmers)} confirmations"
+            )
+            continue
+        s._verifying[member] = susp
+        seq = s._probing.get(member)
+        if seq is not None:
+            s._probes[seq].verify = True
+            continue
+        rec = s._table.get(member)
+        assert rec is not None
+        period = health_scaled(s.cfg.protocol_period, s._awareness)
+        timeout = health_scaled(s.cfg.probe_timeout, s._awareness)
+        probe = _Probe(s._new_seq(), member, rec.address, now + timeout, now + period, verify=True)
+        s._probes[probe.seq] = probe
+        s._probing[member] = probe.seq
+        out.append(ping(s, member, rec, probe.seq))
+
+
+def on_late_tick(s: SwimState, now: float) -> None:
+    """Our own event loop stalled: raise local health, void the probes in flight
+    (their silence proves nothing about the targets), hold suspicion timers for
+    a period so that the messages that queued up meanwhile are read first."""
+    s._bump_awareness(1)
+    for probe in list(s._probes.values()):
+        s._end_probe(probe)
+    for member, susp in s._verifying.items():
+        s._hold_suspicion(member, susp)  # already due: checked again after the grace
+    s._verifying.clear()
+    s._next_probe = now + health_scaled(s.cfg.protocol_period, s._awareness)
+    s._grace_until = now + s.cfg.protocol_period
+    s.log.append((now, s.name, "late-tick", str(s._awareness)))

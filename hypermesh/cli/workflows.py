@@ -1,0 +1,330 @@
+"""The workflow commands: ``submit``, ``status``, ``tasks``, ``logs`` and ``cancel``.
+
+``submit`` writes a recipe's workflow into etcd; the others read a workflow's records
+back (``status`` and ``tasks``), its tasks' output (``logs``), or stop it (``cancel``).
+``submit --wait`` and ``status --watch`` follow a workflow through the summary its
+leader publishes (``_follow``). Changing a running workflow (``retry``, ``scale``,
+``extend``) is in ``ops.py``; its best trials (``best``) in ``ml.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hypermesh.cli.burst import unknown_pools, workflow_costs
+from hypermesh.cli.common import Mesh, err, load_view, mesh_options, print_json, run_async
+from hypermesh.cli.ml import add_best, print_best_line
+from hypermesh.errors import UsageError
+from hypermesh.state.etcd import Etcd
+from hypermesh.state.keyspace import Keyspace, TaskRef
+from hypermesh.state.records import TERMINAL, WorkflowRecord
+from hypermesh.state.view import MeshView
+
+
+@click.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--name", default=None, help="Workflow name [default: recipe's name or file stem].")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="EXP.FIELD=VALUE",
+    help="Override a recipe field (repeatable), e.g. mnist.samples=10.",
+)
+@click.option("--seed", type=int, default=None, help="Seed for parameter sampling.")
+@click.option("--wait", is_flag=True, help="Show progress; exit 0 if all tasks succeed, else 1.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print {"workflow", "name", "seed", "experiments", "state"} instead of the id.',
+)
+@mesh_options
+@run_async
+async def submit(
+    mesh: Mesh,
+    recipe: Path,
+    name: str | None,
+    overrides: tuple[str, ...],
+    seed: int | None,
+    wait: bool,
+    as_json: bool,
+) -> None:
+    """Submit a recipe; print the workflow id as the last word on stdout."""
+    from hypermesh.recipe.recipe import load_recipe
+    from hypermesh.state.txns import new_workflow_id, submit_workflow
+
+    parsed = load_recipe(recipe, overrides)
+    base = recipe.resolve().parent
+    workdir = (base / parsed.workdir).resolve() if parsed.workdir else base
+    seed = seed if seed is not None else parsed.seed
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    wf_name = name or parsed.name or recipe.stem
+    wf = WorkflowRecord(
+        id=new_workflow_id(wf_name),
+        name=wf_name,
+        recipe=parsed,
+        seed=seed,
+        submitted_at=time.time(),
+        workdir=str(workdir),
+        source=str(recipe),
+    )
+    async with mesh.connect() as etcd:
+        for warning in await unknown_pools(etcd, mesh.ks, parsed):
+            err(f"warning: {warning}")
+        await submit_workflow(etcd, mesh.ks, wf)
+        err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
+        if not wait:
+            _submitted(wf, "pending", as_json)
+            return
+        state = await _follow(etcd, mesh.ks, wf.id)
+    _submitted(wf, state, as_json)
+    sys.exit(0 if state == "succeeded" else 1)
+
+
+def _submitted(wf: WorkflowRecord, state: str, as_json: bool) -> None:
+    """What ``submit`` prints on stdout: the workflow id, or with ``--json`` an object."""
+    if not as_json:
+        click.echo(wf.id)
+        return
+    experiments = [e.name for e in wf.recipe.experiments]
+    print_json(
+        {"workflow": wf.id, "name": wf.name, "seed": wf.seed, "experiments": experiments,
+         "state": state}
+    )
+
+
+async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> str:
+    """Show a workflow's progress until it ends; return its final state. On stderr
+    (bars or lines), or with ``as_json`` as one status object per change on stdout.
+
+    What is shown is the summary the leader publishes (``progress/<wid>``, about once
+    a second while the workflow runs, and with its final state), so following a
+    workflow costs the same whatever its size: the CLI watches three keys, not every
+    task's records. A workflow that ended without a final summary (cancelled from the
+    CLI, or run by an older leader) is summarized from its records once, at the end."""
+    from hypermesh.cli.progress import ProgressDisplay
+
+    view = MeshView(ks)
+    changed = asyncio.Event()
+
+    def on_batch(revision: int) -> None:
+        changed.set()
+
+    keys = [ks.workflow(wid), ks.workflow_state(wid), ks.progress(wid)]
+    mirrors = [asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, only=keys))]
+    display = None if as_json else ProgressDisplay(wid)
+    last: dict[str, Any] | None = None
+    try:
+        while True:
+            await changed.wait()
+            changed.clear()
+            if wid not in view.workflows:
+                continue
+            summary = _followed_summary(view, wid)
+            final = view.progress.get(wid, {}).get("state")
+            if summary["state"] in TERMINAL and summary["state"] != final:
+                # Ended without the leader's final summary: summarize the records once.
+                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
+            if display is not None:
+                display.update(summary)
+            elif summary != last:
+                click.echo(json.dumps(summary, separators=(",", ":")))
+                last = summary
+            if summary["state"] in TERMINAL:
+                if display is not None:
+                    display.close(summary)
+                return str(summary["state"])
+            await asyncio.sleep(0.1)
+    finally:
+        for mirror in mirrors:
+            mirror.cancel()
+        if display is not None:
+            display.close(None)
+
+
+def _followed_summary(view: MeshView, wid: str) -> dict[str, Any]:
+    """The leader's last published summary of ``wid``, with the state as the state key
+    says now; before the first one, the summary of the workflow record alone."""
+    published = view.progress.get(wid)
+    if published is None:
+        return view.workflow_summary(wid)
+    state = view.workflow_state(wid)
+    return published if state not in TERMINAL else published | {"state": state}
+
+
+@click.command()
+@click.argument("workflow", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Live progress until the workflow ends (with --json: one object per change); "
+    "exit 0 if it succeeded, else 1.",
+)
+@mesh_options
+@run_async
+async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -> None:
+    """Show a workflow's state per experiment and its cost so far (all workflows if none
+    is named)."""
+    if watch:
+        if not workflow:
+            raise UsageError("status --watch needs a WORKFLOW")
+        async with mesh.connect() as etcd:
+            await load_view(etcd, mesh.ks, workflow)  # NotFound for a wrong id
+            state = await _follow(etcd, mesh.ks, workflow, as_json)
+        sys.exit(0 if state == "succeeded" else 1)
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+        ids = (
+            [workflow]
+            if workflow
+            else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
+        )
+        costs = await workflow_costs(etcd, mesh.ks, ids)
+    summaries = [view.workflow_summary(w) | {"cost": costs[w]} for w in ids]
+    add_best(view, summaries)
+    if as_json:
+        print_json(summaries[0] if workflow else summaries)
+        return
+    if not summaries:
+        click.echo("no workflows")
+    for s in summaries:
+        click.echo(f"{s['id']}  {s['name']}  {s['state']}")
+        click.echo(
+            f"  {'EXPERIMENT':<20}{'STATE':<11}{'TOTAL':>6}{'PEND':>6}{'RUN':>6}"
+            f"{'OK':>6}{'FAIL':>6}{'CANC':>6}"
+        )
+        for name, e in s["experiments"].items():
+            click.echo(
+                f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
+                f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
+            )
+            print_best_line(name, e)
+            if "waiting" in e:
+                click.echo(f"    {e['waiting']}")
+        c = s["cost"]
+        if not c["pools"]:  # nothing recorded: "cost 0 for 0 node-s" would read as a fact
+            click.echo("  cost: none recorded (the leader records node-seconds while pools "
+                       "are declared, see 'hypermesh pool set')")
+        else:
+            click.echo(f"  cost {c['cost']:.4f} for {c['node_seconds']:.0f} node-s "
+                       f"(on-demand: {c['on_demand_cost']:.4f})")
+
+
+@click.command()
+@click.argument("workflow")
+@click.option("--experiment", default=None, help="Only tasks of this experiment.")
+@click.option(
+    "--state",
+    "state_filter",
+    default=None,
+    type=click.Choice(["pending", "running", "succeeded", "failed", "cancelled"]),
+    help="Only tasks in this state.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def tasks(
+    mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None, as_json: bool
+) -> None:
+    """List a workflow's tasks with their parameters and attempts."""
+    async with mesh.connect() as etcd:
+        view = await load_view(etcd, mesh.ks, workflow)
+    rows = [view.task_json(ref) for ref in view.task_refs(workflow, experiment)]
+    if state_filter:
+        rows = [r for r in rows if r["state"] == state_filter]
+    if as_json:
+        print_json(rows)
+        return
+    for r in rows:
+        last = r["attempts"][-1] if r["attempts"] else {}
+        params = " ".join(f"{k}={v}" for k, v in r["params"].items())
+        click.echo(
+            f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
+            f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}"
+        )
+
+
+@click.command()
+@click.argument("task_id")
+@click.option("--attempt", type=int, default=0, help="Attempt number [default: the latest].")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the attempt ends.")
+@click.option(
+    "--store",
+    default=None,
+    metavar="URL",
+    help="Object store holding copies of logs, read when the node is gone [env HYPERMESH_STORE].",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='One {"task", "attempt", "text"} object (per chunk with --follow, one per line).',
+)
+@mesh_options
+@run_async
+async def logs(
+    mesh: Mesh, task_id: str, attempt: int, follow: bool, store: str | None, as_json: bool
+) -> None:
+    """Print a task attempt's output (stdout and stderr), from its node or the stored copy."""
+    from hypermesh.agent.tasks.logs import locate_attempt, stream_log
+
+    try:
+        ref = TaskRef.parse(task_id)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    async with mesh.connect() as etcd:
+        n = (await locate_attempt(etcd, mesh.ks, ref, attempt))[0]
+        chunks = stream_log(etcd, mesh.ks, ref, n, follow, store, lambda m: err(f"note: {m}"))
+        if not as_json:
+            async for data in chunks:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+            return
+        text = []
+        async for data in chunks:
+            text.append(data.decode("utf-8", errors="replace"))
+            if follow:
+                click.echo(json.dumps({"task": ref.id, "attempt": n, "text": text.pop()}))
+        if not follow:
+            print_json({"task": ref.id, "attempt": n, "text": "".join(text)})
+
+
+@click.command()
+@click.argument("workflow")
+@click.option(
+    "--experiment", default=None, help="Cancel only this experiment (and what comes after it)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@mesh_options
+@run_async
+async def cancel(mesh: Mesh, workflow: str, experiment: str | None, as_json: bool) -> None:
+    """Cancel a workflow: nothing new starts and running tasks are stopped."""
+    from hypermesh.state.live import cancel_experiment
+    from hypermesh.state.txns import cancel_workflow
+
+    async with mesh.connect() as etcd:
+        if experiment is None:
+            state, changed = await cancel_workflow(etcd, mesh.ks, workflow)
+        else:
+            changed = await cancel_experiment(etcd, mesh.ks, workflow, experiment)
+            state = "cancelled"
+    what = f"{workflow} experiment {experiment}" if experiment else workflow
+    if as_json:
+        print_json(
+            {"workflow": workflow, "experiment": experiment, "state": state, "changed": changed}
+        )
+    elif changed:
+        err(f"{what} cancelled; running tasks are being stopped")
+    else:
+        err(f"{what} had already ended: {state}")

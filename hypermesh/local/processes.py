@@ -1,0 +1,68 @@
+"""Helpers for the local servers' processes: free ports, waiting with a deadline, stopping.
+
+Shared by :mod:`~hypermesh.local.etcd`, :mod:`~hypermesh.local.agents`,
+:mod:`~hypermesh.local.s3server` and the tests; they import this module, never each other
+for these helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(
+    condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05
+) -> object:
+    """Poll ``condition`` until it returns something truthy; TimeoutError names ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def unmount_under(root: Path) -> list[str]:
+    """Lazily unmount every FUSE file system mounted at or below ``root`` (data set
+    mounts of agents that died without unmounting); returns their mount points."""
+    prefix = str(Path(root).resolve())
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3 or not fields[2].startswith("fuse"):
+                continue
+            point = fields[1].encode().decode("unicode_escape")  # \040 for spaces
+            if point == prefix or point.startswith(prefix + "/"):
+                found.append(point)
+    for point in sorted(found, reverse=True):  # nested mounts first
+        subprocess.run(["fusermount3", "-uz", point], check=False, capture_output=True)
+    return found
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL; its exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,241 @@
+"""``MeshView``: the mirror of a namespace and the answers derived from it.
+
+Everything that asks about the mesh asks here: who leads, what state a task or an
+experiment is in, what ``hypermesh status`` and ``hypermesh tasks`` print, whether an
+ended attempt decides its task, why a gang task waits. The agent, the leader and the
+CLI all derive states through these methods, so ``hypermesh status`` and the scheduler
+never disagree.
+
+The methods here only read: the tables, and who may change them, are
+``hypermesh.state.mirror.Mirror``'s. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from hypermesh.recipe.recipe import Experiment
+from hypermesh.recipe.sampling import planned_count
+from hypermesh.state.gangs import waiting_reason
+from hypermesh.state.keyspace import TaskRef
+from hypermesh.state.mirror import Mirror
+from hypermesh.state.records import (
+    COUNTED_REASONS,
+    TERMINAL,
+    ExperimentControl,
+    ExperimentSummary,
+    WorkflowRecord,
+)
+
+
+class MeshView(Mirror):
+    """A mirror of a namespace (``Mirror``, fed by its owner) with the answers derived
+    from it. Every method here reads the tables and changes nothing."""
+
+    # ------------------------------------------------------------------ leadership
+    def leader(self) -> str | None:
+        """The leading node: the live candidate with the lowest create revision."""
+        live = [c for c in self.candidates.values() if c[1] in self.nodes]
+        return min(live)[1] if live else None
+
+    def vacant_candidacies(self) -> list[str] | None:
+        """None while a live node leads. Otherwise leadership is open, and these are the
+        candidacy keys (their part under ``elect/``) left by nodes that are gone; a
+        node that stands clears them in the same transaction."""
+        if self.leader() is not None:
+            return None
+        return sorted(self.candidates)
+
+    # ------------------------------------------------------------------ workflows and tasks
+    def running_on(self, node: str) -> list[TaskRef]:
+        return sorted(ref for ref, c in self.claims.items() if c.node == node)
+
+    def workflow_state(self, wid: str) -> str:
+        return self.workflow_states.get(wid, "pending")
+
+    def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
+        return sorted(
+            r
+            for r in self.tasks
+            if r.workflow == wid and (experiment is None or r.experiment == experiment)
+        )
+
+    def control(self, wid: str, experiment: str) -> ExperimentControl:
+        """The live changes made to an experiment (none: the recipe as submitted)."""
+        return self.controls.get((wid, experiment)) or ExperimentControl()
+
+    def experiment_cancelled(self, wid: str, experiment: str) -> bool:
+        return self.control(wid, experiment).cancelled
+
+    def workers(self, wid: str, exp: Experiment) -> int | None:
+        """The experiment's ``workers`` cap now: a live change, else the recipe's."""
+        control = self.control(wid, exp.name)
+        return control.workers if control.workers_set else exp.workers
+
+    def target_count(self, wid: str, exp: Experiment) -> int:
+        """How many tasks the experiment is to have: the recipe's plus those added live."""
+        return planned_count(exp) + self.control(wid, exp.name).extra_samples
+
+    def task_state(self, ref: TaskRef) -> str:
+        result = self.results.get(ref)
+        if result is not None:
+            return result.state
+        if ref in self.claims:
+            return "running"
+        if self.workflow_state(ref.workflow) == "cancelled" or self.experiment_cancelled(
+            ref.workflow, ref.experiment
+        ):
+            return "cancelled"
+        return "pending"
+
+    def counted_failures(self, ref: TaskRef) -> int:
+        """Ended attempts that count against ``retries`` (failed exits and timeouts),
+        since the last ``retry`` of the task (``retry_from`` in its key)."""
+        reopened = self._reopened.get(ref)
+        since = reopened[1] if reopened else int(self.tasks.get(ref, {}).get("retry_from", 0))
+        return sum(
+            1
+            for a in self.attempts.get(ref, {}).values()
+            if a.attempt > since and a.state == "failed" and a.reason in COUNTED_REASONS
+        )
+
+    def final_state(self, ref: TaskRef, state: str, reason: str, retries: int) -> str | None:
+        """The task's result after an attempt ended ``state`` for ``reason``: None while
+        it runs again (a lost or preempted node, or a counted failure within
+        ``retries``), else ``state``."""
+        if state != "failed":
+            return state
+        if reason not in COUNTED_REASONS:
+            return None
+        return "failed" if self.counted_failures(ref) + 1 > retries else None
+
+    # ------------------------------------------------------------------ what status and tasks print
+    def experiment_summary(self, wf: WorkflowRecord, exp: Experiment) -> ExperimentSummary:
+        wstate = self.workflow_state(wf.id)
+        stopped = wstate == "cancelled" or self.experiment_cancelled(wf.id, exp.name)
+        count = self.expanded.get((wf.id, exp.name))
+        if count is None:
+            total = self.target_count(wf.id, exp)
+            blocked = any(
+                self.experiment_summary(wf, wf.recipe.experiment(dep)).state
+                in ("failed", "cancelled")
+                for dep in exp.after
+            )
+            if stopped or blocked:
+                return ExperimentSummary("cancelled", total, cancelled=total)
+            return ExperimentSummary("pending", total, pending=total)
+        counts = self.counts.get((wf.id, exp.name), Counter())
+        # Samples added live count from the moment they are asked for, before the
+        # leader writes their tasks; a cancelled experiment gets no more.
+        if not stopped:
+            count = max(count, self.target_count(wf.id, exp))
+        count = max(count, sum(counts.values()))
+        summary = ExperimentSummary("pending", count)
+        summary.running = counts["running"]
+        summary.succeeded = counts["succeeded"]
+        summary.failed = counts["failed"]
+        summary.cancelled = counts["cancelled"]
+        waiting = count - summary.running - summary.succeeded - summary.failed - summary.cancelled
+        if stopped:
+            summary.cancelled += waiting
+        else:
+            summary.pending = waiting
+        done = summary.succeeded + summary.failed + summary.cancelled
+        if done == count:
+            summary.state = (
+                "failed" if summary.failed else "cancelled" if summary.cancelled else "succeeded"
+            )
+        elif summary.running or done:
+            summary.state = "running"
+        return summary
+
+    def workflow_summary(self, wid: str) -> dict[str, Any]:
+        """The ``hypermesh status --json`` object of one workflow."""
+        wf = self.workflows[wid]
+        experiments = {exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments}
+        stored = self.workflow_state(wid)
+        state = stored
+        if stored not in TERMINAL:
+            active = any(s.state == "running" for s in experiments.values())
+            state = "running" if active or stored == "running" else "pending"
+        return {
+            "id": wid,
+            "name": wf.name,
+            "state": state,
+            "submitted_at": wf.submitted_at,
+            "experiments": {
+                name: s.to_json() | self._gang_waiting(wf, name) for name, s in experiments.items()
+            },
+        }
+
+    def _gang_waiting(self, wf: WorkflowRecord, name: str) -> dict[str, str]:
+        """``{"waiting": why}`` for a gang experiment whose oldest pending task waits."""
+        exp = wf.recipe.experiment(name)
+        if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
+            return {}
+        for index in sorted(self.open.get((wf.id, name), ())):
+            reason = waiting_reason(TaskRef(wf.id, name, index), exp, self.gangs, self.nodes,
+                                    self.claims, self.results)
+            if reason is not None:
+                return {"waiting": reason}
+        return {}
+
+    def derived_final_state(self, wid: str) -> str | None:
+        """The terminal state the workflow has reached, or None while work remains."""
+        wf = self.workflows[wid]
+        states = [self.experiment_summary(wf, e).state for e in wf.recipe.experiments]
+        if any(s not in TERMINAL for s in states):
+            return None
+        if "failed" in states:
+            return "failed"
+        if "cancelled" in states:
+            return "cancelled"
+        return "succeeded"
+
+    def task_json(self, ref: TaskRef) -> dict[str, Any]:
+        """One entry of ``hypermesh tasks --json``."""
+        attempts = [a.to_json() for _, a in sorted(self.attempts.get(ref, {}).items())]
+        reported = self.metrics.get(ref, {})
+        for a in attempts:
+            m = reported.get(a["attempt"])
+            a["metrics"] = dict(m.last) if m else {}
+            a["intermediate"] = {k: [list(p) for p in v] for k, v in m.history.items()} if m else {}
+        claim = self.claims.get(ref)
+        node = claim.node if claim else (attempts[-1]["node"] if attempts else None)
+        return {
+            "id": ref.id,
+            "experiment": ref.experiment,
+            "index": ref.index,
+            "params": self.tasks.get(ref, {}).get("params", {}),
+            "state": self.task_state(ref),
+            "node": node,
+            "attempts": attempts,
+            "metrics": self.task_metrics(ref),
+            "pruned": self.pruned(ref),
+        } | self._task_waiting(ref)
+
+    def _task_waiting(self, ref: TaskRef) -> dict[str, str]:
+        wf = self.workflows.get(ref.workflow)
+        if wf is None or self.task_state(ref) != "pending":
+            return {}
+        reason = waiting_reason(ref, wf.recipe.experiment(ref.experiment), self.gangs,
+                                self.nodes, self.claims, self.results)
+        return {} if reason is None else {"waiting": reason}
+
+    def task_metrics(self, ref: TaskRef) -> dict[str, float]:
+        """Last metric values of the attempt that decided the task (or the newest that
+        reported any): what ``best`` and the search rank it by."""
+        reported = self.metrics.get(ref, {})
+        result = self.results.get(ref)
+        if result is not None and result.attempt in reported:
+            return dict(reported[result.attempt].last)
+        for n in sorted(reported, reverse=True):
+            if reported[n].last:
+                return dict(reported[n].last)
+        return {}
+
+    def pruned(self, ref: TaskRef) -> bool:
+        result = self.results.get(ref)
+        attempt = self.attempts.get(ref, {}).get(result.attempt) if result else None
+        return attempt is not None and attempt.reason == "pruned"
