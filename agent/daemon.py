@@ -7,9 +7,9 @@
 - it holds one etcd lease for its whole registration (node key, every claim), kept alive
   while it lives; when it is lost, every attempt stops and the node rejoins with a new one;
 - it mirrors the namespace with a watch;
-- it stands for leader when no live node leads (``agent/election.py``);
+- it stands for leader when no live node leads (``agent/leader/election.py``);
 - its scheduling loop (``agent/scheduler.py``) leads while it is the leader
-  (``agent/leader_duty.py``) and claims tasks that fit (``agent/claims/claimer.py``);
+  (``agent/leader/duty.py``) and claims tasks that fit (``agent/claims/claimer.py``);
   ``agent/tasks/attempts.py`` runs them and records each attempt with a fenced transaction;
 - gossip, chunk sharing, bursting, gangs and telemetry run beside it.
 
@@ -40,11 +40,11 @@ from hypermesh.agent.claims.claimer import Claimer
 from hypermesh.agent.claims.locality import Locality
 from hypermesh.agent.claims.pool_wait import PoolWait
 from hypermesh.agent.claims.unsure import UnsureClaims
-from hypermesh.agent.election import Campaign
 from hypermesh.agent.gang.duty import GangDuty
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.duty import Gossip
-from hypermesh.agent.leader_duty import LeaderDuty
+from hypermesh.agent.leader.duty import LeaderDuty
+from hypermesh.agent.leader.election import Campaign
 from hypermesh.agent.ops.health import Health
 from hypermesh.agent.ops.metrics import MetricsServer
 from hypermesh.agent.ops.telemetry import TaskRoot, Telemetry, detect_machine

@@ -4,7 +4,7 @@ It wakes when the mirror applied a batch, an attempt ended, a block was released
 seat was given back or a timer (locality, pool preference, progress) fell due, and then, in
 order: checks that the node lease is still fresh (a node that was paused past its TTL
 treats it as lost), leads when this node leads and the view changed
-(``agent/leader_duty.py``), stops attempts of cancelled work, reads back claims it is
+(``agent/leader/duty.py``), stops attempts of cancelled work, reads back claims it is
 unsure of (``agent/claims/unsure.py``) and claims what fits (``agent/claims/claimer.py``).
 A round that fails is retried at the next wake-up; a failing etcd wakes it again in half a
 second. The loop ends when the agent drains.
@@ -21,7 +21,7 @@ from hypermesh.errors import EtcdUnavailable, LeaseLost
 if TYPE_CHECKING:
     from hypermesh.agent.claims.claimer import Claimer
     from hypermesh.agent.claims.unsure import UnsureClaims
-    from hypermesh.agent.leader_duty import LeaderDuty
+    from hypermesh.agent.leader.duty import LeaderDuty
     from hypermesh.agent.tasks.attempts import Attempts
     from hypermesh.agent.tasks.blocks import BlockDuty
     from hypermesh.config import AgentConfig

@@ -111,3 +111,16 @@ def test_crowded_folders_and_long_modules_are_named(tmp_path: Path) -> None:
         "agent: 21 modules (at most 20)",
         "hypermesh/big.py: 801 lines (at most 800)",
     ]
+
+
+def test_every_package_folder_is_installed() -> None:
+    """pyproject.toml lists the packages one by one (agent/ and chunkfs/ install under
+    hypermesh); a new folder missing from the list would be left out of a wheel."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = {module.name for module in check.find_modules(ROOT).values() if module.is_package}
+    assert listed == folders
+    assert tool["package-data"]["hypermesh.agent.ops"] == ["static/*"]
+    assert (ROOT / "agent" / "ops" / "static" / "index.html").is_file()

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from hypermesh.agent.leader import Suggest, plan
+from hypermesh.agent.leader.policy import Suggest, plan
 from hypermesh.errors import RecipeError
 from hypermesh.recipe.ml import Objective
 from hypermesh.recipe.recipe import parse_recipe

@@ -9,14 +9,14 @@ import textwrap
 import pytest
 
 from hypermesh.agent.claims.choose import LocalLoad, choose_claims
-from hypermesh.agent.leader import Expand, Extend, SetState, plan
+from hypermesh.agent.leader.policy import Expand, Extend, SetState, plan
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.recipe.sampling import expand, expand_more
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import ExperimentControl, WorkflowRecord
 from tests.claims.test_claims import Feed as ClaimFeed
 from tests.claims.test_claims import node, one
-from tests.state.test_leader import Feed as LeaderFeed
+from tests.leader.test_leader import Feed as LeaderFeed
 
 CHAIN = """
 experiments:

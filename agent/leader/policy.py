@@ -1,5 +1,5 @@
 """The leader's decisions. Pure: reads a view, returns actions for the I/O layer
-(``agent/leader_duty.py``).
+(``agent/leader/duty.py``).
 
 The leader expands an experiment into tasks once every experiment it comes
 ``after`` has succeeded, writes the tasks of samples added to a running

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from hypermesh.agent.leader import Expand, SetState, plan
+from hypermesh.agent.leader.policy import Expand, SetState, plan
 from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import WorkflowRecord, dumps

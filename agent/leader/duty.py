@@ -1,11 +1,11 @@
-"""The leader's round: carry out what ``leader.plan`` decided, and publish progress.
+"""The leader's round: carry out what ``policy.plan`` decided, and publish progress.
 
 On every wake-up of the scheduling loop after the view changed (or when a progress summary
 held back falls due), while this node leads, it expands experiments into tasks (in blocks
 when they are large, ``hypermesh.state.blocks``), writes the tasks of samples added live,
 creates the next trials of adaptive searches (Optuna runs in a thread), and records
 workflows' states; every write is fenced on the workflow's state revision the decision saw
-(``agent/leader.py``). Then it publishes the summary of each running workflow that changed
+(``agent/leader/policy.py``). Then it publishes the summary of each running workflow that changed
 (``progress/<wid>``), at most every ``PROGRESS_S``.
 
 Nothing here must survive a change of leader: the next one recomputes everything from
@@ -20,8 +20,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hypermesh.agent import leader
 from hypermesh.agent.claims.wake_timer import WakeTimer
+from hypermesh.agent.leader import policy as leader
 from hypermesh.errors import HypermeshError
 from hypermesh.recipe.sampling import expand, expand_more, experiment_seed
 from hypermesh.state import search
