@@ -1,7 +1,7 @@
 """The leader's burst duty: runs the bursting policy every tick and carries it out.
 
 Only the leader acts. Each tick it builds a snapshot from its mirror of etcd
-(``agent/burst/view.py``), asks ``burst_policy.decide`` what to do, starts and
+(``agent/burst/view.py``), asks ``policy.decide`` what to do, starts and
 releases nodes through the pools' provisioners, keeps the records of the nodes
 it started (``inst/<node>``), writes every decision to the event log
 (``event/...``, the last ``events_kept``), and integrates node-seconds per pool

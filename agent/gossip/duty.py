@@ -1,7 +1,7 @@
 """Gossip between agents: the I/O around the pure SWIM state machine (``swim.py``).
 
 This module carries the protocol's messages over the agent's gRPC API (one
-``GossipStream`` per peer, ``gossip_link.py``), tells the protocol when a peer
+``GossipStream`` per peer, ``link.py``), tells the protocol when a peer
 refused a connection, feeds it
 the node's load as metadata, and turns its verdicts into action: when a member
 is declared dead, the leader (or every agent, when the leader is the one that

@@ -1,6 +1,6 @@
 """Who holds which chunk: this node's own chunk summary and its replicas of its peers'.
 
-Pure: no gRPC, no etcd, no clock. The I/O layer (``chunk_share.py`` and ``gossip.py``)
+Pure: no gRPC, no etcd, no clock. The I/O layer (``agent/share/duty.py`` and ``agent/gossip/duty.py``)
 hands it what it learns — this node's cache scans, peers' gossiped meta, snapshots
 fetched from peers, membership changes — and carries out what it answers (fetch a
 snapshot from a peer).

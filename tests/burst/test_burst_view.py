@@ -1,4 +1,4 @@
-"""burst_view: the policy's inputs derived from a mirrored view (pure, fed by hand)."""
+"""agent/burst/view.py: the policy's inputs derived from a mirrored view (pure, fed by hand)."""
 
 from __future__ import annotations
 
