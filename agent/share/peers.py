@@ -1,9 +1,9 @@
 """Who holds which chunk: this node's own chunk summary and its replicas of its peers'.
 
-Pure: no gRPC, no etcd, no clock. The I/O layer (``agent/share/duty.py`` and ``agent/gossip/duty.py``)
-hands it what it learns — this node's cache scans, peers' gossiped meta, snapshots
-fetched from peers, membership changes — and carries out what it answers (fetch a
-snapshot from a peer).
+Pure: no gRPC, no etcd, no clock. The I/O layer (``agent/share/duty.py`` and
+``agent/gossip/duty.py``) hands it what it learns — this node's cache scans, peers' gossiped
+meta, snapshots fetched from peers, membership changes — and carries out what it answers
+(fetch a snapshot from a peer).
 
 What a node gossips about its chunks (its meta's ``chunks`` entry, :meth:`ChunkPeers.meta`):
 ``{"v": version, "d": digest, "delta": last delta}``; the delta only when it is small
