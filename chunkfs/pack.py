@@ -182,6 +182,11 @@ class _Packer:
         self.table.append(None)
         self.progress.chunks += 1
         self.slots.acquire()  # bounds the chunks held in memory
+        # An upload failed while we waited for the slot: start no new one, whose own
+        # retries ``abort`` would have to wait out (a failed put took twice its deadline).
+        if self.failed is not None:
+            self.slots.release()
+            raise self.failed
         try:
             future = self.pool.submit(self._upload, index, data)
         except BaseException:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -15,6 +15,16 @@ from hypermesh.chunkfs.fusewait import DeviceWait
 
 def run(coro: object) -> None:
     asyncio.run(asyncio.wait_for(coro, 10))  # type: ignore[arg-type]
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Let the event loop run until ``condition()`` holds; fail after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        await asyncio.sleep(0.001)
 
 
 @contextlib.contextmanager
@@ -76,8 +86,9 @@ def test_unread_requests_with_nobody_waiting_unregister_the_device() -> None:
             await asyncio.sleep(0)
             os.write(w, b"ab")
             await waiting  # woken, and the task "stays busy": nobody reads or waits
-            await asyncio.sleep(0.05)
-            assert not dev.watching  # unregistered after IDLE_FIRES events: no spinning
+            # unregistered after IDLE_FIRES events: no spinning
+            await until(lambda: not dev.watching, "the idle device to be unregistered")
+            assert dev.idle == fusewait.IDLE_FIRES
             again = asyncio.ensure_future(dev.wait())
             await again  # registered again and woken for the request still there
             assert dev.registrations == 2

@@ -1,11 +1,19 @@
-"""put_dataset / get_dataset / rm against a real SeaweedFS S3 server."""
+"""put_dataset / get_dataset / rm against a real SeaweedFS S3 server.
+
+The outage cases run twice: against a file store that fails one chunk put (exact, fast),
+and against a SeaweedFS server of their own that is stopped in the middle of a put.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import stat
-from collections.abc import Iterator
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +28,10 @@ from hypermesh.chunkfs.datasets import (
 )
 from hypermesh.chunkfs.manifest import Manifest
 from hypermesh.chunkfs.pack import PutProgress, put_dataset
-from hypermesh.chunkfs.store import FileStore, ObjectStore, S3Store
+from hypermesh.chunkfs.store import FileStore, ObjectStore, S3Store, retry_transient
 from hypermesh.errors import CorruptData, NotFound, StoreUnavailable, UsageError
+from hypermesh.local.processes import wait_for
+from hypermesh.local.s3server import S3Server
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -334,3 +344,161 @@ def test_failed_put_leaves_no_visible_version(tree: Path, tmp_path: Path) -> Non
     store.fail_at = 0
     root = put_dataset(store, tree, "half", chunk_size=CHUNK, parallel=2)
     assert list_versions(store, "half") == [root.version]
+
+
+# ------------------------------------------------ a real S3 server stopped mid-put
+OWN_BUCKET = "put-outage"
+
+
+class WatchedS3Store(S3Store):
+    """An ``S3Store`` that records the key of every request that failed as unavailable.
+
+    It injects nothing: the failures come from the real server being gone. botocore
+    tries each request once, so the retries seen are the put's own (``retry_s``).
+    """
+
+    def __init__(self, server: S3Server, prefix: str) -> None:
+        super().__init__(
+            OWN_BUCKET,
+            prefix,
+            endpoint=server.endpoint,
+            connect_timeout_s=1.0,
+            read_timeout_s=5.0,
+            max_attempts=1,
+        )
+        self.failures: list[str] = []  # list.append is atomic: the upload threads share it
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        try:
+            super().put(key, data)
+        except StoreUnavailable:
+            self.failures.append(key)
+            raise
+
+    def size(self, key: str) -> int | None:
+        try:
+            return super().size(key)
+        except StoreUnavailable:
+            self.failures.append(key)
+            raise
+
+
+@pytest.fixture(scope="module")
+def own_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS server of these tests only: they stop it, so it is not the session's."""
+    server = S3Server(tmp_path_factory.mktemp("own-s3"))
+    try:
+        server.start()
+        server.make_bucket(OWN_BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_store(own_s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[WatchedS3Store]:
+    """A fresh prefix on ``own_s3``, which is running when the test starts."""
+    own_s3.start(timeout=30)  # no-op unless an earlier test left it stopped
+    for key, value in own_s3.client_env().items():
+        monkeypatch.setenv(key, value)
+    s = WatchedS3Store(own_s3, f"t{uuid.uuid4().hex[:10]}")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+class StopMidPut:
+    """A put progress callback that stops ``server`` once ``after`` chunks are uploaded,
+    then calls ``then``. It runs inside the put (in whichever of its threads reports
+    first), so the put is mid-way: more chunks, and the root, are still to come."""
+
+    def __init__(
+        self, server: S3Server, after: int, then: Callable[[], None] = lambda: None
+    ) -> None:
+        self.server, self.after, self.then = server, after, then
+        self.stopped_at: float | None = None  # put_dataset serializes its progress calls
+
+    def __call__(self, p: PutProgress) -> None:
+        if p.chunks_uploaded >= self.after and self.stopped_at is None:
+            self.server.stop()
+            self.stopped_at = time.monotonic()
+            self.then()
+
+
+def test_put_to_a_stopped_s3_server_fails_within_its_deadline_and_shows_nothing(
+    own_s3: S3Server, own_store: WatchedS3Store, tree: Path, tmp_path: Path
+) -> None:
+    retry_s = 2.0
+    stop = StopMidPut(own_s3, after=2)
+    with pytest.raises(StoreUnavailable) as info:
+        put_dataset(
+            own_store, tree, "half", chunk_size=CHUNK, parallel=2, retry_s=retry_s, progress=stop
+        )
+    assert stop.stopped_at is not None
+    elapsed = time.monotonic() - stop.stopped_at
+    # A clear error: it names the store and a key it could not reach, and says why.
+    message = str(info.value)
+    assert any(message.startswith(f"{own_store.url}: {k}: ") for k in own_store.failures), (
+        message
+    )
+    assert "unavailable" in message or "S3 answered 5" in message, message
+    # Each request is retried (one failed more than once), then the put gives up at
+    # its deadline rather than the default 60 s.
+    assert max(Counter(own_store.failures).values()) >= 2, own_store.failures
+    assert elapsed < retry_s + 15
+
+    own_s3.start(timeout=30)
+    partial = retry_transient(lambda: chunk_objects(own_store), 20)
+    assert partial  # the chunks stored before the stop are there...
+    assert list_datasets(own_store) == []  # ...but no version names them
+    assert list(own_store.list("datasets/")) == []
+    with pytest.raises(NotFound, match="'half'"):
+        resolve(own_store, "half")
+
+    root = put_dataset(own_store, tree, "half", chunk_size=CHUNK, parallel=2)
+    assert 1 <= len(partial) < len({c.id for c in root.chunks})  # it had stopped mid-way
+    assert list_versions(own_store, "half") == [root.version]
+    get_dataset(own_store, "half", tmp_path / "out")
+    try:
+        assert snapshot(tmp_path / "out") == snapshot(tree)
+    finally:
+        make_writable(tmp_path / "out")
+
+
+def test_put_rides_out_an_s3_server_restart(
+    own_s3: S3Server, own_store: WatchedS3Store, tree: Path, tmp_path: Path
+) -> None:
+    """With the default retry deadline, a put whose server is stopped mid-way and comes
+    back (same ports, same data) completes, as if nothing had happened."""
+    errors: list[BaseException] = []
+    restarted: list[float] = []
+
+    def restart() -> None:
+        try:
+            # Only once the put has run into the stopped server: it must retry.
+            wait_for(lambda: own_store.failures, 20, "the put to meet the stopped server")
+            own_s3.start(timeout=30)
+            restarted.append(time.monotonic())
+        except BaseException as exc:
+            errors.append(exc)
+
+    restarter = threading.Thread(target=restart, name="restart-s3")
+    stop = StopMidPut(own_s3, after=2, then=restarter.start)
+    try:
+        root = put_dataset(own_store, tree, "back", chunk_size=CHUNK, parallel=2, progress=stop)
+        done = time.monotonic()
+    finally:
+        if restarter.ident is not None:  # started: a server it starts must not outlive us
+            restarter.join(60)
+    assert stop.stopped_at is not None
+    assert not restarter.is_alive() and errors == []
+    assert own_store.failures  # the outage was seen, and retried
+    assert restarted and done > restarted[0]  # the put finished only once it was back
+    assert list_versions(own_store, "back") == [root.version]
+    assert len(root.chunks) >= 8
+    get_dataset(own_store, "back", tmp_path / "out")
+    try:
+        assert snapshot(tmp_path / "out") == snapshot(tree)
+    finally:
+        make_writable(tmp_path / "out")

@@ -285,16 +285,21 @@ def test_confirmations_from_distinct_members_shorten_the_suspicion() -> None:
         0.0,
     )
     deadlines = []
-    for i, source in enumerate(["n1", "n2", "n2", "n3", "n4", "n5", "n6"]):
+    # n1 accused: no confirmation; n2 confirms once; n3..n5 count until k; n6 is extra
+    sources = ["n1", "n2", "n2", "n3", "n4", "n5", "n6"]
+    confirmed = [set(), {"n2"}, {"n2"}, {"n2", "n3"}, {"n2", "n3", "n4"}]
+    confirmed += [{"n2", "n3", "n4", "n5"}] * 2
+    for source, want in zip(sources, confirmed, strict=True):
         a.receive(
             Message(
                 "gossip", source, "x", updates=(Update("n9", "addr-n9", SUSPECT, 0, source=source),)
             ),
             0.0,
         )
-        deadlines.append(a._suspicions["n9"].deadline())
-        assert i >= 0
-    # n1 accused: no confirmation; n2 confirms once; n3..n5 count until k; n6 is extra
+        suspicion = a._suspicions["n9"]
+        assert (suspicion.accuser, suspicion.confirmers) == ("n1", want), source
+        assert wire.state("n0", "n9") == SUSPECT  # confirmations never kill before the deadline
+        deadlines.append(suspicion.deadline())
     expected = [lifeguard_timeout(c, k, low, high) for c in (0, 1, 1, 2, 3, 4, 4)]
     assert deadlines == pytest.approx(expected)
     assert deadlines[-1] == pytest.approx(low)
