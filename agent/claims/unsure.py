@@ -72,20 +72,25 @@ class UnsureClaims:
             if got is not None and not in_use:
                 value, revision = got
                 claim = json.loads(value)
-                if claim.get("node") == self.node and claim.get("lease") == self._lease():
-                    await self._give_back(unsure, revision)
+                mine = claim.get("node") == self.node and claim.get("lease") == self._lease()
+                if mine and await self._give_back(unsure, revision):
                     given.append(key)
                     self._decide(f"gave back {key}: the answer to claiming it was lost")
             del self._pending[key]
         return given
 
-    async def _give_back(self, unsure: _Unsure, revision: int) -> None:
+    async def _give_back(self, unsure: _Unsure, revision: int) -> bool:
+        """Release the claim read back at ``revision``; False when its fence refused (it
+        changed since the read: not ours to give back any more)."""
         plan = unsure.plan
         if plan is None:
             key = unsure.key
-            await self.etcd.txn([self.etcd.mod_revision_is(key, revision)],
-                                [self.etcd.op_delete(key)])
-            return
+            done = await self.etcd.txn([self.etcd.mod_revision_is(key, revision)],
+                                       [self.etcd.op_delete(key)])
+            return bool(done.succeeded)
         lost = Attempt(plan.attempt, self.node, "failed", reason="node-lost",
                        started_at=unsure.started_at, ended_at=time.time())
-        await finish_attempt(self.etcd, self.ks, plan.ref, revision, plan.slot, lost, None)
+        written = await finish_attempt(
+            self.etcd, self.ks, plan.ref, revision, plan.slot, lost, None
+        )
+        return written is not None
