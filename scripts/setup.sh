@@ -66,7 +66,7 @@ fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.local.etcd as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.local.s3server as s; s.weed_binary()
 import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
-import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate" \
+import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate, hypothesis" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 command -v kubectl >/dev/null 2>&1 \
   || { echo "setup: no kubectl (apt: kubectl or kubernetes-client) for tests/ops/test_k8s.py" >&2; exit 1; }
