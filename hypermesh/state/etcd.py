@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import grpc
@@ -347,26 +347,43 @@ class Etcd:
                     on_batch(revision)
                     if ready is not None:
                         ready.set()
-                stream = self.client.watch.watch(
+                stream = cast(AsyncGenerator[Any, None], self.client.watch.watch(  # it is one
                     prefix, range_end=prefix_range_end(prefix), start_revision=revision + 1
-                )
-                async for resp in stream:
-                    if resp.compact_revision or resp.canceled:
-                        log.warning("watch on %s compacted or cancelled; reloading", prefix)
-                        revision = 0
-                        break
-                    for ev in resp.events:
-                        kv = ev.kv
-                        key = kv.key.decode()
-                        if only and not key.startswith(wanted):
+                ))
+                opened = False
+                try:
+                    async for resp in stream:
+                        if resp.compact_revision or resp.canceled:
+                            log.warning("watch on %s compacted or cancelled; reloading", prefix)
+                            revision = 0
+                            break
+                        if resp.created:
+                            if opened:
+                                # etcd3aio reopened the stream on its own, from the header
+                                # revision of an earlier answer: a new watch's first answer
+                                # carries etcd's current revision before the events up to it
+                                # have come, so it may skip some. Resume from our own.
+                                log.info("watch on %s reopened; resuming at %d",
+                                         prefix, revision + 1)
+                                break
+                            opened = True
                             continue
-                        value = None if ev.type == 1 else kv.value
-                        apply(key, value, kv.create_revision, kv.mod_revision)
-                    revision = max(revision, resp.header.revision)
-                    on_batch(revision)
-                    backoff = 0.2
-                else:
-                    log.warning("watch on %s ended; resuming at %d", prefix, revision + 1)
+                        for ev in resp.events:
+                            kv = ev.kv
+                            revision = max(revision, kv.mod_revision)
+                            key = kv.key.decode()
+                            if only and not key.startswith(wanted):
+                                continue
+                            apply(key, None if ev.type == 1 else kv.value,
+                                  kv.create_revision, kv.mod_revision)
+                        if not resp.events:  # a progress report: all up to its header is in
+                            revision = max(revision, resp.header.revision)
+                        on_batch(revision)
+                        backoff = 0.2
+                    else:
+                        log.warning("watch on %s ended; resuming at %d", prefix, revision + 1)
+                finally:
+                    await stream.aclose()
             except (EtcdUnavailable, EtcdError, grpc.aio.AioRpcError) as exc:
                 if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
                     raise asyncio.CancelledError from exc

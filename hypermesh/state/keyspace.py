@@ -45,6 +45,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``event/<ns time>-<node>``: one burst decision; by the leader, the last N kept.
 - ``usage/<pool>``: node-seconds of a pool, spot and on-demand; by the leader.
 - ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
+- ``settings``: mesh-wide settings (``hypermesh/state/settings.py``: the task cap of a
+  workflow, how long finished workflows are kept); by ``hypermesh settings``.
 
 One kind lives beside the namespace, not under it, so that the agents' watch of the
 namespace never sees it (it changes with every cold chunk read):
@@ -146,6 +148,10 @@ class Keyspace:
     @property
     def election(self) -> str:
         return f"{self.root}elect/"
+
+    @property
+    def settings(self) -> str:
+        return f"{self.root}settings"
 
     # -- workflows
     def workflow(self, wid: str) -> str:

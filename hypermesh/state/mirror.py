@@ -33,6 +33,7 @@ from hypermesh.state.records import (
     Result,
     WorkflowRecord,
 )
+from hypermesh.state.settings import MeshSettings
 from hypermesh.state.task_metrics import AttemptMetrics
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class Mirror:
     def __init__(self, keyspace: Keyspace) -> None:
         self.ks = keyspace
         self.revision = 0
+        self.settings = MeshSettings()  # the mesh's ``settings`` key, or the defaults
         self.nodes: dict[str, NodeRecord] = {}
         self.candidates: dict[str, tuple[int, str]] = {}  # key -> (create_revision, node)
         self.workflows: dict[str, WorkflowRecord] = {}
@@ -149,6 +151,9 @@ class Mirror:
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, HypermeshError) as exc:
             # A malformed key must not stop the mirror; it is skipped and reported.
             log.warning("ignoring malformed key %s: %s", key, exc)
+
+    def _apply_settings(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        self.settings = MeshSettings() if data is None else MeshSettings.from_json(data)
 
     def _apply_node(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:

@@ -1,0 +1,60 @@
+"""``hypermesh settings`` against a real etcd: defaults, changes that keep the others,
+bad values refused with exit 2, and what agents' mirrors read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hypermesh.errors import UsageError
+from hypermesh.state.keyspace import Keyspace
+from hypermesh.state.mirror import Mirror
+from hypermesh.state.settings import DEFAULT_MAX_WORKFLOW_TASKS, DEFAULT_RETENTION_S, MeshSettings
+from tests.conftest import Mesh
+
+
+def test_settings_start_at_the_defaults_and_change_one_at_a_time(mesh: Mesh) -> None:
+    assert mesh.hm_json("settings") == {
+        "max_workflow_tasks": DEFAULT_MAX_WORKFLOW_TASKS,
+        "retention": DEFAULT_RETENTION_S,
+    }
+    mesh.hm("settings", "max-workflow-tasks=5000", check=True)
+    shown = mesh.hm_json("settings", "retention=2h")  # the cap set before stays
+    assert shown == {"max_workflow_tasks": 5000, "retention": 7200.0}
+    assert mesh.hm_json("settings") == shown
+    table = mesh.hm("settings", check=True).stdout
+    assert "max-workflow-tasks  5000" in table and "retention           2h" in table
+
+
+@pytest.mark.parametrize(
+    ("assignment", "named"),
+    [
+        ("max-workflow-tasks=0", "max-workflow-tasks must be an integer from 1"),
+        ("max-workflow-tasks=lots", "max-workflow-tasks"),
+        ("retention=-3d", "retention"),
+        ("colour=blue", "NAME one of max-workflow-tasks, retention"),
+        ("retention", "expected NAME=VALUE"),
+    ],
+)
+def test_a_bad_setting_is_refused_and_nothing_changes(
+    mesh: Mesh, assignment: str, named: str
+) -> None:
+    mesh.hm("settings", "retention=1d", check=True)
+    result = mesh.hm("settings", "max-workflow-tasks=7", assignment)
+    assert result.returncode == 2
+    assert named in result.stderr
+    assert mesh.hm_json("settings")["max_workflow_tasks"] == DEFAULT_MAX_WORKFLOW_TASKS
+
+
+def test_the_mirror_reads_the_settings_key() -> None:
+    ks = Keyspace("s")
+    mirror = Mirror(ks)
+    assert mirror.settings == MeshSettings()
+    mirror.apply(ks.settings, json.dumps({"max_workflow_tasks": 9, "later": 1}).encode(), 1, 1)
+    assert mirror.settings.max_workflow_tasks == 9
+    assert mirror.settings.retention == DEFAULT_RETENTION_S
+    mirror.apply(ks.settings, None, 0, 2)
+    assert mirror.settings == MeshSettings()
+    with pytest.raises(UsageError):
+        MeshSettings(max_workflow_tasks=True)
