@@ -15,7 +15,8 @@ one module per concern:
 - ``nodes.py`` and ``top.py``: the live nodes, and what each uses;
 - ``burst.py``: ``pool`` and ``events``, the pools and the leader's burst decisions;
 - ``data.py``: ``data`` (data sets in an object store) and ``mount``;
-- ``settings.py``: ``settings``, the mesh-wide settings (task cap, retention).
+- ``settings.py``: ``settings``, the mesh-wide settings (task cap, retention);
+- ``tls.py``: ``tls init`` and ``tls issue``, the mesh's CA and certificates.
 
 What they share (the mesh options, running a command, exit codes, printing) is in
 ``common.py``. The command modules import ``common.py``, never this module.
@@ -34,6 +35,7 @@ from hypermesh.cli.ml import best
 from hypermesh.cli.nodes import nodes
 from hypermesh.cli.ops import OPS_COMMANDS
 from hypermesh.cli.settings import settings
+from hypermesh.cli.tls import tls
 from hypermesh.cli.top import top
 from hypermesh.cli.workflows import cancel, logs, status, submit, tasks
 
@@ -52,7 +54,7 @@ def main(etcd: str | None, namespace: str | None, verbose: int) -> None:
 # `hypermesh --help` lists the commands in name order, whatever the order here.
 for _command in (
     agent, submit, status, tasks, nodes, logs, cancel, best, data, pool, events, mount, top,
-    settings, *OPS_COMMANDS,
+    settings, tls, *OPS_COMMANDS,
 ):
     main.add_command(_command)
 
