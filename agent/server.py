@@ -17,6 +17,7 @@ from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.gossip.link import serve_stream
 from hypermesh.agent.ops.telemetry import cpu_percent
 from hypermesh.agent.share.duty import PeerLost, stream_pieces
+from hypermesh.chunkfs.format import valid_chunk_id
 from hypermesh.state.keyspace import TaskRef
 
 if TYPE_CHECKING:
@@ -198,8 +199,9 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def FetchFromPeers(
         self, request: agent_pb2.ReadChunkRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.ChunkBytes]:
-        if not request.chunk or request.offset < 0 or request.length <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "need a chunk and a range")
+        if not valid_chunk_id(request.chunk) or request.offset < 0 or request.length <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"need a chunk id and a range, got {request.chunk[:80]!r}")
         try:
             async for piece in self.agent.share.fetch(
                 request.chunk, request.offset, request.length, request.cache_full

@@ -55,6 +55,7 @@ from hypermesh.chunkfs.format import (
     hash_of,
     names,
     shard,
+    valid_chunk_id,
 )
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,8 @@ class ChunkCache:
 
     # ------------------------------------------------------------------ paths
     def _path(self, cid: str, suffix: str) -> Path:
+        if not valid_chunk_id(cid):  # an id from a peer or a manifest names a file here
+            raise ValueError(f"not a chunk id: {cid[:80]!r}")
         return self.root / "v1" / shard(cid) / f"{cid}.{suffix}"
 
     # ---------------------------------------------------------------- queries

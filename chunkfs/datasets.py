@@ -46,7 +46,7 @@ RETRY_S = 60.0  # how long one chunk read is retried on transient errors
 def parse_spec(spec: str) -> tuple[str, str | None]:
     """``NAME`` or ``NAME@VERSION`` → (name, version or None); ``UsageError`` if malformed."""
     name, sep, version = spec.partition("@")
-    if not fmt.valid_dataset_name(name) or (sep and not version) or "/" in version:
+    if not fmt.valid_dataset_name(name) or (sep and not fmt.valid_version(version)):
         raise UsageError(
             f"invalid data set {spec!r}: use NAME or NAME@VERSION (names: letters, digits, "
             f"'.', '_', '-', starting with a letter or digit)"

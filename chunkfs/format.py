@@ -63,7 +63,8 @@ MAX_CHUNK_SIZE = 256 * MiB
 PAGE_ENTRIES = 4096
 FORMAT_VERSION = 1
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # also a version's form
+_CHUNK_ID_RE = re.compile(r"(?:b3)?[0-9a-f]{64}")
 
 
 SHA256 = "sha256"
@@ -127,7 +128,18 @@ def root_key(name: str, version: str) -> str:
 
 def valid_dataset_name(name: str) -> bool:
     """Data set names: letters, digits, ``.``, ``_``, ``-``; start alphanumeric; ≤128."""
-    return bool(_NAME_RE.match(name))
+    return bool(_NAME_RE.fullmatch(name))
+
+
+def valid_version(version: str) -> bool:
+    """Versions take the form of names (so never ``..`` nor a path)."""
+    return bool(_NAME_RE.fullmatch(version))
+
+
+def valid_chunk_id(cid: str) -> bool:
+    """A chunk id as ``chunk_id`` makes them: 64 lower-case hex digits, after ``b3`` for
+    BLAKE3 chunks. Checked wherever an id from outside names a file or an object."""
+    return bool(_CHUNK_ID_RE.fullmatch(cid))
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hypermesh.chunkfs.cache import HAVE_HEADER, MAGIC, block_span
-from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, shard
+from hypermesh.chunkfs.format import BLOCK_SIZE, block_count, shard, valid_chunk_id
 
 READS_FILE = "reads.json"
 """Beside a mount's ``chunks`` cache root: blocks its reads were served, by source
@@ -58,6 +58,7 @@ class Holding:
 
 
 def _have_path(cache_root: Path, chunk_id: str) -> Path:
+    _check_id(chunk_id)
     return cache_root / "v1" / shard(chunk_id) / f"{chunk_id}.have"
 
 
@@ -88,7 +89,10 @@ def scan_root(root: Path) -> dict[str, Holding]:
         return out
     for folder in shards:
         try:
-            names = [e.name for e in os.scandir(folder.path) if e.name.endswith(".have")]
+            names = [
+                e.name for e in os.scandir(folder.path)
+                if e.name.endswith(".have") and valid_chunk_id(e.name[: -len(".have")])
+            ]
         except OSError:
             continue
         for name in names:
@@ -155,6 +159,7 @@ def read_elsewhere(cache_root: Path) -> frozenset[str] | None:
 def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> bytes | None:
     """Chunk bytes ``[offset, offset+length)`` from the cache if its record says every
     block under them was written, else None. Unverified: the caller checks digests."""
+    _check_id(chunk_id)  # a peer's request names this file
     holding = read_holding(cache_root, chunk_id)
     if holding is None or not holding.covers(offset, length):
         return None
@@ -170,3 +175,8 @@ def read_range(cache_root: Path, chunk_id: str, offset: int, length: int) -> byt
     finally:
         os.close(fd)
     return data if len(data) == length else None
+
+
+def _check_id(chunk_id: str) -> None:
+    if not valid_chunk_id(chunk_id):
+        raise ValueError(f"not a chunk id: {chunk_id[:80]!r}")

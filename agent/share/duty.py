@@ -41,6 +41,7 @@ import grpc
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.share.config import ShareConfig, transfer_deadline
 from hypermesh.agent.share.peers import ChunkPeers, race_delay
+from hypermesh.chunkfs.format import valid_chunk_id
 from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_range, write_elsewhere
 from hypermesh.errors import HypermeshError
 
@@ -209,6 +210,8 @@ class ChunkShare:
     # ------------------------------------------------------------ serving
     async def read_local(self, chunk: str, offset: int, length: int) -> bytes | None:
         """The range from this node's caches, if one's record covers it (unverified)."""
+        if not valid_chunk_id(chunk):  # a peer's request: it must not name another file
+            raise ValueError(f"not a chunk id: {chunk[:80]!r}")
         if not 0 < length <= MAX_RANGE or offset < 0:
             raise ValueError(f"a range needs offset >= 0 and 0 < length <= {MAX_RANGE}, "
                              f"got {offset}+{length}")

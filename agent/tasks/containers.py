@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from hypermesh.recipe.recipe import IMAGE_RE
+
 # Images for `framework:`; an experiment's `image:` wins over its framework.
 FRAMEWORK_IMAGES: dict[str, str] = {
     "pytorch": "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime",
@@ -54,6 +56,8 @@ def container_argv(
     user: str | None = None,
 ) -> list[str]:
     """``RUNTIME run ... IMAGE bash -c COMMAND`` for one command of a task."""
+    if not IMAGE_RE.fullmatch(image):  # the recipe checked it; this is the last word
+        raise ValueError(f"not an image reference: {image[:80]!r}")
     argv = [runtime, "run", "--rm", "--init", "--name", name, "--network", "host",
             "--ipc", "host", "-w", workdir]
     if user is not None:

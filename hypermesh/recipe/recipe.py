@@ -301,6 +301,13 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DATASET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # as chunkfs.format names them
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _RANGE = re.compile(rf"\s*({_NUMBER})\s*-\s*({_NUMBER})\s*")
+# A container image reference (registry[:port]/path:tag@digest): never an option of
+# `docker run`, a space or a shell word.
+IMAGE_RE = re.compile(
+    r"(?:[A-Za-z0-9][A-Za-z0-9.-]*(?::[0-9]{1,5})?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
+)
 
 _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
@@ -324,6 +331,14 @@ class _Checker(MLChecker):
         self._after: dict[str, tuple[int | None, list[tuple[str, _Node, str]]]] = {}
 
     # ------------------------------------------------------------------ environment
+    def image(self, node: _Node, path: str) -> str | None:
+        value = self.string(node, path)
+        if value is not None and not IMAGE_RE.fullmatch(value):
+            self.at(node, path, f"{value[:80]!r} is not an image reference "
+                    "(such as pytorch/pytorch:2.4.0 or registry.local:5000/team/img@sha256:...)")
+            return None
+        return value
+
     def env(self, entry: _Entry | None, path: str) -> dict[str, str]:
         if entry is None or entry.node.value is None:
             return {}
@@ -397,7 +412,7 @@ class _Checker(MLChecker):
         retries = optional("retries", self.integer, 0) or 0
         timeout = optional("timeout", self.duration)
         framework = optional("framework", self.string)
-        image = optional("image", self.string)
+        image = optional("image", self.image)
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
         pools = optional("pools", self.pools) or ()

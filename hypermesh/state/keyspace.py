@@ -108,9 +108,9 @@ class TaskRef(NamedTuple):
         parts = task_id.rsplit(".", 2)
         if (
             len(parts) != 3
-            or not (parts[2].isascii() and parts[2].isdigit())
-            or not parts[0]
-            or not parts[1]
+            or not (parts[2].isascii() and parts[2].isdigit() and len(parts[2]) <= 18)
+            or not NAME_RE.fullmatch(parts[0])
+            or not NAME_RE.fullmatch(parts[1])
         ):
             raise ValueError(f"not a task id: {task_id!r} (expected WORKFLOW.EXPERIMENT.INDEX)")
         return cls(parts[0], parts[1], int(parts[2]))

@@ -30,7 +30,9 @@ limit is 1.5 MiB by default)."""
 
 def new_workflow_id(name: str) -> str:
     """A short readable id: the recipe's name, sanitised, plus 6 random hex digits."""
-    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in name).strip("-_")[:40]
+    stem = "".join(
+        c if (c.isascii() and c.isalnum()) or c in "-_" else "-" for c in name
+    ).strip("-_")[:40]
     return f"{stem or 'wf'}-{secrets.token_hex(3)}"
 
 

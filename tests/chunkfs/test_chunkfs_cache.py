@@ -18,6 +18,7 @@ from hypermesh.chunkfs.cache import (
     block_span,
     keep_rank,
 )
+from hypermesh.chunkfs.datasets import parse_spec
 from hypermesh.chunkfs.format import (
     BLAKE3,
     BLOCK_SIZE,
@@ -25,7 +26,11 @@ from hypermesh.chunkfs.format import (
     block_digest,
     chunk_id,
     shard,
+    valid_chunk_id,
+    valid_dataset_name,
 )
+from hypermesh.chunkfs.holdings import read_holding, read_range
+from hypermesh.errors import UsageError
 
 MiB = 1 << 20
 
@@ -326,3 +331,26 @@ def test_room_counts_free_space_and_chunks_other_nodes_hold(tmp_path: Path) -> N
     cache.set_elsewhere(frozenset())  # the copy's other holders are gone: it is sole
     assert not cache.has_room("x" * 64, MiB)
     assert not cache.has_room(copy.id, MiB)  # a chunk's own bytes are not room for it
+
+
+@pytest.mark.parametrize(
+    "cid",
+    ["../../../etc/passwd", "ab/../" + "0" * 58, "0" * 63, "0" * 64 + "\n", "B3" + "0" * 64,
+     "/" + "0" * 64, "0" * 64 + ".data"],
+)
+def test_an_id_that_is_not_a_chunk_id_names_no_file(tmp_path: Path, cid: str) -> None:
+    (tmp_path / "v1").mkdir()
+    with pytest.raises(ValueError, match="not a chunk id"):
+        read_range(tmp_path, cid, 0, 10)
+    with pytest.raises(ValueError, match="not a chunk id"):
+        read_holding(tmp_path, cid)
+    assert valid_chunk_id("0" * 64) and valid_chunk_id("b3" + "f" * 64)
+    assert not valid_dataset_name("imagenet\n") and valid_dataset_name("imagenet-1k.v2")
+
+
+@pytest.mark.parametrize("spec", ["imagenet@..", "imagenet@../x", "imagenet\n", "im/agenet",
+                                  "imagenet@", "imagenet@v1\n", ".hidden@v1"])
+def test_a_data_set_spec_that_could_name_a_path_is_refused(spec: str) -> None:
+    with pytest.raises(UsageError, match="invalid data set"):
+        parse_spec(spec)
+    assert parse_spec("imagenet-1k@2024.06") == ("imagenet-1k", "2024.06")

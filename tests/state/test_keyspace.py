@@ -31,14 +31,19 @@ def test_task_path_is_the_id_with_slashes() -> None:
     assert ref.id == "wf-abc.train.7"
 
 
-def test_parse_splits_from_the_right() -> None:
-    # Only the last two dots separate fields, so an id with a dotted workflow part still parses.
-    assert TaskRef.parse("a.b.c.3") == TaskRef("a.b", "c", 3)
+def test_parse_takes_only_names_so_an_id_never_names_a_path() -> None:
+    assert TaskRef.parse("wf-1a2b3c.train_2.31") == TaskRef("wf-1a2b3c", "train_2", 31)
+    # Workflow ids and experiment names hold no dot: an id with more dots is not one.
+    with pytest.raises(ValueError):
+        TaskRef.parse("a.b.c.3")
 
 
 @pytest.mark.parametrize(
     "text",
-    ["", "w", "w.e", "w.e.", ".e.1", "w..1", "w.e.x", "w.e.-1", "w.e. 1", "w/e/1"],
+    [
+        "", "w", "w.e", "w.e.", ".e.1", "w..1", "w.e.x", "w.e.-1", "w.e. 1", "w/e/1",
+        "../../../etc/passwd.e.1", "w/../...e.1", "w.e.1\n", "w\n.e.1", "w.e.1" + "0" * 19,
+    ],
 )
 def test_parse_rejects_what_is_not_a_task_id(text: str) -> None:
     with pytest.raises(ValueError, match=r"WORKFLOW\.EXPERIMENT\.INDEX"):
