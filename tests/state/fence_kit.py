@@ -1,6 +1,7 @@
 """What the fence tests (``tests/state/test_fences_*.py``) share: a namespace per test on
 the session's etcd, an etcd client that lets another actor act between a read and the
-write that depends on it (the pause a fence exists for) or loses answers, and a running
+write that depends on it (the pause a fence exists for) or loses answers (``fault_txns``,
+which ``test_etcd_client.py`` also uses on a plain client), and a running
 workflow (experiment ``a`` of 8 samples, and ``b`` after it) for the leader's and the
 live changes' fences.
 
@@ -103,29 +104,48 @@ class SteppedEtcd(Etcd):
     def lose_answers(self, deadline: float = 0.5) -> list[str]:
         """Start losing answers (see the class), with ``deadline`` seconds for a
         transaction to give up in; returns the log of faulted calls."""
-        real = type(self.kv).txn.__get__(self.kv)  # the client's own method
-        log: list[str] = []
         self._fault = "lost"
         self._timeout, self.timeout = self.timeout, deadline
 
-        async def txn(*args: Any, **kwargs: Any) -> Any:
+        def next_fault() -> str:
             fault = self._fault or "ok"
             if fault == "lost":
                 self._fault = "refused"
-            log.append(fault)
-            if fault == "refused":
-                raise _unavailable()
-            resp = await real(*args, **kwargs)
-            if fault == "lost":
-                raise _unavailable()
-            return resp
+            return fault
 
-        self.kv.txn = txn  # type: ignore[method-assign]
-        return log
+        return fault_txns(self, next_fault)
 
     def answers_again(self) -> None:
         self._fault = None
         self.timeout = self._timeout
+
+
+def fault_txns(etcd: Etcd, faults: list[str] | Callable[[], str]) -> list[str]:
+    """Make ``etcd``'s next transactions go wrong, one word each, taken from the list
+    ``faults`` (then ``ok``) or asked of ``faults()`` per call: ``lost`` (etcd commits
+    it, the answer never arrives), ``refused`` (it never reaches etcd), ``ok``. Both
+    fail as an unreachable member does (gRPC ``UNAVAILABLE``). Returns the log of what
+    each call did."""
+    real = type(etcd.kv).txn.__get__(etcd.kv)  # the client's own, not an earlier fault's
+    log: list[str] = []
+
+    def next_fault() -> str:
+        if callable(faults):
+            return faults()
+        return faults.pop(0) if faults else "ok"
+
+    async def txn(*args: Any, **kwargs: Any) -> Any:
+        fault = next_fault()
+        log.append(fault)
+        if fault == "refused":
+            raise _unavailable()
+        resp = await real(*args, **kwargs)
+        if fault == "lost":
+            raise _unavailable()
+        return resp
+
+    etcd.kv.txn = txn  # type: ignore[method-assign]
+    return log
 
 
 def _unavailable() -> grpc.aio.AioRpcError:

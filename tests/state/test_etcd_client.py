@@ -9,14 +9,14 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
-import grpc
 import pytest
 
 from hypermesh.errors import EtcdUnavailable, UsageError
 from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, parse_endpoints
+from tests.state.fence_kit import fault_txns
+from tests.tcp_proxy import CuttingProxy
 
 
 async def wait_until(condition, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -151,33 +151,6 @@ def test_of_two_candidates_that_saw_the_same_vacancy_one_stands(etcd_server: Etc
     asyncio.run(scenario())
 
 
-def _unavailable() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "Socket closed"
-    )
-
-
-def _lose_answers(etcd: Etcd, plan: list[str]) -> list[str]:
-    """Make the next transactions go wrong as ``plan`` says, one word each: ``lost``
-    (etcd commits it, the answer never arrives), ``refused`` (never reaches etcd).
-    Returns the log of what each call did."""
-    real = type(etcd.kv).txn.__get__(etcd.kv)  # the client's own, not an earlier fault's
-    calls: list[str] = []
-
-    async def txn(*args: Any, **kwargs: Any) -> Any:
-        fault = plan.pop(0) if plan else "ok"
-        calls.append(fault)
-        if fault == "refused":
-            raise _unavailable()
-        resp = await real(*args, **kwargs)
-        if fault == "lost":
-            raise _unavailable()
-        return resp
-
-    etcd.kv.txn = txn  # type: ignore[method-assign]
-    return calls
-
-
 def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
     etcd_server: EtcdServer,
 ) -> None:
@@ -192,7 +165,7 @@ def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
                 etcd.op_put("/t/claim", b"node1 attempt 1", lease),
                 etcd.op_put("/t/attempt", b"running"),
             ]
-            calls = _lose_answers(etcd, ["lost"])
+            calls = fault_txns(etcd, ["lost"])
             done = await etcd.txn(*claim)
             assert calls == ["lost", "ok"]  # committed once, retried once
             assert done.succeeded
@@ -201,23 +174,23 @@ def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
             # A compare that fails for real still fails after a retry (a claim's value
             # is new each time: it carries its start time)...
             later = [etcd.absent("/t/claim")], [etcd.op_put("/t/claim", b"node1 at 2", lease)]
-            calls = _lose_answers(etcd, ["refused"])
+            calls = fault_txns(etcd, ["refused"])
             again = await etcd.txn(*later)
             assert calls == ["refused", "ok"] and not again.succeeded
             # ...also when the keys hold someone else's write of the same bytes, but
             # under another lease.
             await etcd.put("/t/claim", b"node1 at 2")
-            _lose_answers(etcd, ["refused"])
+            fault_txns(etcd, ["refused"])
             assert not (await etcd.txn(*later)).succeeded
             # A release (deletes only) whose answer was lost succeeded too.
             rev = (await etcd.get("/t/claim"))[1]  # type: ignore[index]
-            _lose_answers(etcd, ["lost"])
+            fault_txns(etcd, ["lost"])
             released = await etcd.txn(
                 [etcd.mod_revision_is("/t/claim", rev)], [etcd.op_delete("/t/claim")]
             )
             assert released.succeeded and await etcd.get("/t/claim") is None
             # An error that is no outage is not retried.
-            calls = _lose_answers(etcd, [])
+            calls = fault_txns(etcd, [])
             too_many = [etcd.op_put(f"/t/{i}", b"") for i in range(200)]
             with pytest.raises(EtcdUnavailable):
                 await etcd.txn([], too_many)
@@ -289,3 +262,41 @@ def test_grpc_stream_cleanup_reports_are_hushed_and_others_are_not(
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == ["something else broke"]
     assert sum("grpc.aio stream cleanup" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_mirror_cut_again_and_again_misses_no_change(etcd_server: EtcdServer) -> None:
+    """The mirror's connection to etcd is reset again and again while keys change; every
+    change still reaches it. A watch that resumes must start after the last event it
+    delivered: the header revision of a new watch's first answer is etcd's current one,
+    and the events before it may not have arrived when the connection breaks again."""
+    port = int(etcd_server.url.rsplit(":", 1)[1])
+    seen: dict[str, bytes | None] = {}
+    batches: list[int] = []
+
+    async def scenario(proxy: CuttingProxy) -> None:
+        async with Etcd([etcd_server.url.split("//")[1]]) as writer, Etcd(
+            [f"127.0.0.1:{proxy.port}"]
+        ) as reader:
+            mirror = asyncio.create_task(reader.mirror(
+                "/cut/", lambda key, value, *_: seen.__setitem__(key, value), batches.append
+            ))
+            try:
+                written = 0
+                for cut in range(60):  # a cut every 20-160 ms, a write or three between
+                    for _ in range(1 + cut % 3):
+                        await writer.put(f"/cut/{written:04d}", str(written).encode())
+                        written += 1
+                    proxy.cut()
+                    await asyncio.sleep(0.02 * (1 + cut % 8))
+                last = await writer.put("/cut/last", b"last")
+                await wait_until(lambda: seen.get("/cut/last") == b"last", 30, "the last key")
+                missing = [i for i in range(written) if seen.get(f"/cut/{i:04d}") != b"%d" % i]
+                assert not missing, f"{len(missing)} of {written} changes never reached the mirror"
+                assert max(batches) >= last
+            finally:
+                mirror.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await mirror
+
+    with CuttingProxy("127.0.0.1", port) as proxy:
+        asyncio.run(scenario(proxy))

@@ -24,7 +24,7 @@ from hypermesh.state.gangs import Rendezvous
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.live import retry_failed, scale_experiment
 from hypermesh.state.records import Attempt
-from hypermesh.state.txns import ClaimPlan, claim_tasks, finish_attempt
+from hypermesh.state.txns import ClaimPlan, cancel_workflow, claim_tasks, finish_attempt
 from tests.state.fence_kit import (
     SteppedEtcd,
     endpoint,
@@ -34,6 +34,7 @@ from tests.state.fence_kit import (
     running,
     state_of,
     value_of,
+    workflow,
 )
 
 REF = TaskRef("w", "e", 0)
@@ -48,6 +49,37 @@ async def claim(etcd: Etcd, ks: Keyspace, plan: ClaimPlan, node: str, lease: int
     revision = await claim_tasks(etcd, ks, [plan], node, lease, time.time())
     assert revision is not None, f"{node} could not claim {plan.ref}"
     return revision
+
+
+# ---------------------------------------------------------------- txns.py cancel_workflow
+def test_a_cancel_that_read_no_state_does_not_overwrite_one_written_since(
+    etcd_server: EtcdServer,
+) -> None:
+    """A workflow key without its state key (a foreign or partial write: ``submit``
+    writes both at once). ``cancel`` reads no state ("pending"); before it writes, a
+    foreign writer puts the state "succeeded". The cancel's write, guarded by "still no
+    state key", is refused; it reads again and reports the end instead of overwriting it."""
+    ks = fresh_keyspace()
+    wf = workflow()
+
+    async def scenario() -> None:
+        user = SteppedEtcd(endpoint(etcd_server))
+        async with user, Etcd(endpoint(etcd_server)) as other:
+            await other.put(ks.workflow(wf.id), forged(wf.to_json()))
+            written: list[int] = []
+
+            async def state_put() -> None:
+                written.append(await other.put(ks.workflow_state(wf.id),
+                                               forged({"state": "succeeded"})))
+
+            user.before_txn(state_put)
+
+            assert await cancel_workflow(user, ks, wf.id) == ("succeeded", False)
+
+            assert user.interleaved == 1
+            assert await state_of(other, ks, wf.id) == ("succeeded", written[0])
+
+    run(scenario())
 
 
 # ---------------------------------------------------------------- txns.py finish_ops

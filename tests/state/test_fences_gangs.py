@@ -48,6 +48,19 @@ async def two_members(etcd: Etcd, ks: Keyspace) -> tuple[dict[str, int], Rendezv
     return leases, await started(etcd, ks, 1, seats, leases["a"])
 
 
+async def started_again(etcd: Etcd, ks: Keyspace) -> tuple[Rendezvous, Rendezvous]:
+    """a (rank 0) and b start attempt 1; a dies: its seat, claim and rendezvous go with
+    its lease. c takes rank 0 and starts attempt 2 with b, whose seat never changed,
+    closing attempt 1 as lost. Both rendezvous."""
+    leases, first = await two_members(etcd, ks)
+    await etcd.revoke(leases["a"])
+    lease_c = await etcd.grant(30)
+    _, seen = await etcd.get(ks.attempt(REF, 1))  # type: ignore[misc]
+    lost = Attempt(1, "a", "running", started_at=1.0, revision=seen)
+    seats = {0: ("c", await seat(etcd, ks, 0, "c", lease_c)), 1: first.seats[1]}
+    return first, await started(etcd, ks, 2, seats, lease_c, lost)
+
+
 def test_a_taken_seat_is_not_taken_again(etcd_server: EtcdServer) -> None:
     ks = fresh_keyspace()
 
@@ -129,6 +142,36 @@ def test_a_gang_does_not_start_after_a_seat_changed_hands(etcd_server: EtcdServe
     run(scenario())
 
 
+def test_a_gang_does_not_start_again_after_its_result_was_written(
+    etcd_server: EtcdServer,
+) -> None:
+    """a and b ran attempt 1 and rank 0 recorded its success; both still hold their seats.
+    A rank 0 whose view missed the result starts attempt 2 with the same seats: every
+    seat is as it names it and the rendezvous is gone, so only the claim's "no result
+    yet" refuses it. Nothing is written: no claim, no attempt 2, no rendezvous (the task
+    would run again and record a second success)."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            leases, rdv = await two_members(etcd, ks)
+            done = Attempt(1, "a", "succeeded", 0, "exit", 1.0, 2.0)
+            assert await gang_txns.finish(
+                etcd, ks, Finish(REF, rdv.revision, None, done, "succeeded"), rdv
+            ) is not None
+            result = await revision_of(etcd, ks.result(REF))
+            again = Rendezvous(2, "127.0.0.1", 29500, rdv.seats, 0)
+
+            assert await gang_txns.start(etcd, ks, ClaimPlan(REF, 2), again, "a", leases["a"],
+                                         time.time()) is None
+
+            for key in (ks.claim(REF), ks.attempt(REF, 2), ks.gang_rendezvous(REF)):
+                assert await etcd.get(key) is None, key
+            assert await revision_of(etcd, ks.result(REF)) == result
+
+    run(scenario())
+
+
 def test_a_members_end_is_not_recorded_for_an_attempt_that_was_started_again(
     etcd_server: EtcdServer,
 ) -> None:
@@ -139,13 +182,7 @@ def test_a_members_end_is_not_recorded_for_an_attempt_that_was_started_again(
 
     async def scenario() -> None:
         async with Etcd(endpoint(etcd_server)) as etcd:
-            leases, first = await two_members(etcd, ks)
-            await etcd.revoke(leases["a"])
-            lease_c = await etcd.grant(30)
-            _, seen = await etcd.get(ks.attempt(REF, 1))  # type: ignore[misc]
-            lost = Attempt(1, "a", "running", started_at=1.0, revision=seen)
-            seats = {0: ("c", await seat(etcd, ks, 0, "c", lease_c)), 1: first.seats[1]}
-            second = await started(etcd, ks, 2, seats, lease_c, lost)
+            first, second = await started_again(etcd, ks)
 
             assert await gang_txns.member_end(etcd, ks, REF, 1, 1, OK, first.revision,
                                               first.seats[1][1]) is None
@@ -202,5 +239,31 @@ def test_a_gang_that_lost_a_member_records_no_result(etcd_server: EtcdServer) ->
             assert await etcd.get(ks.result(REF)) is None
             assert await etcd.get(ks.claim(REF)) is None
             assert (await value_of(etcd, ks.attempt(REF, 1)))["reason"] == "node-lost"
+
+    run(scenario())
+
+
+def test_a_zombie_rank_0s_end_is_not_recorded_after_the_task_was_started_again(
+    etcd_server: EtcdServer,
+) -> None:
+    """Rank 0 (a) of attempt 1 pauses past its lease; c takes rank 0 and starts attempt 2
+    with b. a's late end of attempt 1 is not final (the gang is to form again), so no
+    seat is compared: only the claim's revision refuses it. Nothing is written: c's claim
+    and rendezvous stay, and attempt 1 keeps the record c closed it with."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            first, second = await started_again(etcd, ks)
+            closed = await value_of(etcd, ks.attempt(REF, 1))
+            late = Attempt(1, "a", "failed", 1, "exit", 1.0, 2.0)
+
+            assert await gang_txns.finish(
+                etcd, ks, Finish(REF, first.revision, None, late, None), first
+            ) is None
+
+            assert await revision_of(etcd, ks.claim(REF)) == second.revision
+            assert await revision_of(etcd, ks.gang_rendezvous(REF)) == second.revision
+            assert await value_of(etcd, ks.attempt(REF, 1)) == closed
 
     run(scenario())

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from hypermesh.errors import EtcdUnavailable, UsageError
+from hypermesh.errors import EtcdUnavailable, NotFound, UsageError
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
@@ -130,6 +130,21 @@ def test_cancel_does_not_overwrite_a_final_state_written_after_it_read(
 
             assert user.interleaved == 1
             assert (await state_of(leader, ks, wid))[0] == "succeeded"
+
+    run(scenario())
+
+
+def test_a_cancel_of_an_unknown_workflow_writes_nothing(etcd_server: EtcdServer) -> None:
+    """``hypermesh cancel`` of an id no workflow has (a typo, or one deleted) is an error,
+    and writes no state key: a stray "cancelled" would belong to no workflow."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            with pytest.raises(NotFound, match="no workflow"):
+                await cancel_workflow(etcd, ks, "nosuch-000000")
+
+            assert await etcd.get(ks.workflow_state("nosuch-000000")) is None
 
     run(scenario())
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hypermesh.errors import StateConflict
+from hypermesh.errors import StateConflict, UsageError
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.state.block_txns import claim_block, flush_block
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
@@ -109,15 +109,43 @@ def test_extend_is_refused_once_a_dependent_was_expanded_meanwhile(
     run(scenario())
 
 
+def test_extend_of_a_cancelled_experiment_is_refused(etcd_server: EtcdServer) -> None:
+    """``cancel --experiment a`` was made; ``extend a`` reads the cancelled control. Its
+    compares all hold (it writes over the control it read), so only the check of
+    ``cancelled`` stands between it and samples nobody will run: refused, and neither the
+    control nor the state key is written."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, _ = await running(etcd, ks)
+            assert await cancel_experiment(etcd, ks, wid, "a")
+            control = await etcd.get(ks.experiment_control(wid, "a"))
+            state = await state_of(etcd, ks, wid)
+
+            with pytest.raises(StateConflict, match="was cancelled"):
+                await extend_experiment(etcd, ks, wid, "a", 2)
+
+            assert await etcd.get(ks.experiment_control(wid, "a")) == control
+            assert await state_of(etcd, ks, wid) == state
+
+    run(scenario())
+
+
 # ---------------------------------------------------------------- retry of per-task keys
 async def failed_task(etcd: Etcd, ks: Keyspace, wid: str) -> TaskRef:
     """Task 0 of ``a`` runs once and fails for good (its result is ``failed``)."""
-    ref = TaskRef(wid, "a", 0)
+    return await decided_task(etcd, ks, wid, 0, "failed")
+
+
+async def decided_task(etcd: Etcd, ks: Keyspace, wid: str, index: int, state: str) -> TaskRef:
+    """Task ``index`` of ``a`` runs once and ends for good: its result is ``state``."""
+    ref = TaskRef(wid, "a", index)
     lease = await etcd.grant(30)
     claimed = await claim_tasks(etcd, ks, [ClaimPlan(ref, 1)], "n1", lease, time.time())
     assert claimed is not None
-    failed = Attempt(1, "n1", "failed", 1, "exit", 1.0, 2.0)
-    assert await finish_attempt(etcd, ks, ref, claimed, None, failed, "failed")
+    ended = Attempt(1, "n1", state, 0 if state == "succeeded" else 1, "exit", 1.0, 2.0)
+    assert await finish_attempt(etcd, ks, ref, claimed, None, ended, state)
     return ref
 
 
@@ -149,8 +177,67 @@ def test_retry_does_not_revive_a_workflow_cancelled_while_it_ran(
     run(scenario())
 
 
+def test_retry_of_a_cancelled_workflow_is_refused(etcd_server: EtcdServer) -> None:
+    """The workflow was cancelled with a failed task in it. ``retry`` reads "cancelled":
+    its state compare holds (it is the revision the retry read), so only the check of
+    the state keeps the retry from reopening the task and setting the cancelled workflow
+    running again. Refused; the workflow stays cancelled and the result failed."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, _ = await running(etcd, ks)
+            ref = await failed_task(etcd, ks, wid)
+            assert await cancel_workflow(etcd, ks, wid) == ("cancelled", True)
+            state = await state_of(etcd, ks, wid)
+
+            with pytest.raises(StateConflict, match="was cancelled"):
+                await retry_failed(etcd, ks, wid)
+
+            assert await state_of(etcd, ks, wid) == state
+            assert (await value_of(etcd, ks.result(ref)))["state"] == "failed"
+            assert await etcd.get(ks.task(ref)) is None
+
+    run(scenario())
+
+
+def test_retry_reopens_a_failed_task_and_not_a_succeeded_one(etcd_server: EtcdServer) -> None:
+    """Task 0 of ``a`` failed for good and task 1 succeeded. ``retry`` reopens task 0
+    only: a reopened task 1 would run again and record a second success (the result's
+    revision compare holds either way; only the choice of failed results keeps it)."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, _ = await running(etcd, ks)
+            failed = await failed_task(etcd, ks, wid)
+            succeeded = await decided_task(etcd, ks, wid, 1, "succeeded")
+            result = await etcd.get(ks.result(succeeded))
+
+            assert await retry_failed(etcd, ks, wid) == [failed.id]
+
+            assert await etcd.get(ks.result(failed)) is None
+            assert await etcd.get(ks.result(succeeded)) == result
+            assert await etcd.get(ks.task(succeeded)) is None
+
+    run(scenario())
+
+
 # ---------------------------------------------------------------- retry of blocks
 BLOCK_PARAMS = [{"x": 0.0}, {"x": 0.5}]
+
+
+async def held_block(etcd: Etcd, ks: Keyspace, wid: str) -> tuple[BlockRef, int, int]:
+    """``a`` is written as one block of 2 tasks and n1 claims it. The block, n1's fence
+    on it and n1's lease."""
+    bref = BlockRef(wid, "a", 0)
+    _, seen = await state_of(etcd, ks, wid)
+    assert await expand_experiment(etcd, ks, wid, "a", BLOCK_PARAMS, seen, block=2)
+    lease = await etcd.grant(30)
+    _, view = await etcd.get_prefix(ks.block_batches(bref))
+    fence = await claim_block(etcd, ks, bref, "n1", lease, view, ks.block_batch(bref, lease, 1))
+    assert fence is not None
+    return bref, fence, lease
 
 
 async def failed_block(
@@ -159,13 +246,7 @@ async def failed_block(
     """``a`` is written as one block of 2 tasks; n1 holds it: task 0 failed for good and
     task 1 runs. With ``release``, n1 has released the block (it stopped: task 1 was
     recorded as lost). The block, n1's fence on it and n1's lease."""
-    bref = BlockRef(wid, "a", 0)
-    _, seen = await state_of(etcd, ks, wid)
-    assert await expand_experiment(etcd, ks, wid, "a", BLOCK_PARAMS, seen, block=2)
-    lease = await etcd.grant(30)
-    _, view = await etcd.get_prefix(ks.block_batches(bref))
-    fence = await claim_block(etcd, ks, bref, "n1", lease, view, ks.block_batch(bref, lease, 1))
-    assert fence is not None
+    bref, fence, lease = await held_block(etcd, ks, wid)
     batch = Batch("n1", (AttemptEntry(0, 1, "failed", 1, "exit", 1.0, 2.0),
                          AttemptEntry(1, 1, "running", started_at=1.0)),
                   (ResultEntry(0, "failed", 1, 1, 2.0),))
@@ -180,6 +261,16 @@ async def failed_block(
 async def batches(etcd: Etcd, ks: Keyspace, bref: BlockRef) -> dict[str, bytes]:
     kvs, _ = await etcd.get_prefix(ks.block_batches(bref))
     return {kv.key.decode(): kv.value for kv in kvs}
+
+
+async def retry_of_blocks(
+    etcd: Etcd, ks: Keyspace, wid: str, bref: BlockRef
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Run ``retry``: the task ids it reopened, and the batches it wrote into ``bref``."""
+    before = await batches(etcd, ks, bref)
+    retried = await retry_failed(etcd, ks, wid)
+    after = await batches(etcd, ks, bref)
+    return retried, [json.loads(v) for k, v in after.items() if k not in before]
 
 
 def test_retry_does_not_reopen_a_block_someone_holds(etcd_server: EtcdServer) -> None:
@@ -270,12 +361,59 @@ def test_retry_reopens_a_failed_block_task_nobody_holds(etcd_server: EtcdServer)
         async with Etcd(endpoint(etcd_server)) as etcd:
             wid, _ = await running(etcd, ks)
             bref, _, _ = await failed_block(etcd, ks, wid, release=True)
-            before = await batches(etcd, ks, bref)
 
-            assert await retry_failed(etcd, ks, wid) == [TaskRef(wid, "a", 0).id]
+            retried, reopens = await retry_of_blocks(etcd, ks, wid, bref)
 
-            reopens = [json.loads(v) for k, v in (await batches(etcd, ks, bref)).items()
-                       if k not in before]
+            assert retried == [TaskRef(wid, "a", 0).id]
             assert reopens == [{"node": "retry", "o": [[0, 1]]}]
+
+    run(scenario())
+
+
+def test_retry_of_a_block_reopens_its_failure_and_not_its_success(
+    etcd_server: EtcdServer,
+) -> None:
+    """n1 ran the block to its end and released it: task 0 failed for good, task 1
+    succeeded. ``retry`` reopens task 0 only: a reopened task 1 would run again and
+    record a second success (the block's claim compares hold either way; only the
+    choice of failed results keeps the success)."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, _ = await running(etcd, ks)
+            bref, fence, lease = await held_block(etcd, ks, wid)
+            ended = Batch("n1", (AttemptEntry(0, 1, "failed", 1, "exit", 1.0, 2.0),
+                                 AttemptEntry(1, 1, "succeeded", 0, "exit", 1.0, 2.0)),
+                          (ResultEntry(0, "failed", 1, 1, 2.0),
+                           ResultEntry(1, "succeeded", 1, 0, 2.0)))
+            assert await flush_block(etcd, ks, bref, fence, ks.block_batch(bref, lease, 2),
+                                     ended, release=True)
+
+            retried, reopens = await retry_of_blocks(etcd, ks, wid, bref)
+
+            assert retried == [TaskRef(wid, "a", 0).id]
+            assert reopens == [{"node": "retry", "o": [[0, 1]]}]
+
+    run(scenario())
+
+
+def test_a_batched_experiment_is_not_scaled(etcd_server: EtcdServer) -> None:
+    """``a`` runs in blocks, which take no ``workers`` slots: a cap would be written and
+    never applied. ``scale`` is refused before it writes: no control key, and the state
+    key is as it was."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, seen = await running(etcd, ks)
+            assert await expand_experiment(etcd, ks, wid, "a", BLOCK_PARAMS, seen, block=2)
+            state = await state_of(etcd, ks, wid)
+
+            with pytest.raises(UsageError, match="runs in blocks"):
+                await scale_experiment(etcd, ks, wid, "a", 1)
+
+            assert await etcd.get(ks.experiment_control(wid, "a")) is None
+            assert await state_of(etcd, ks, wid) == state
 
     run(scenario())
