@@ -57,6 +57,7 @@ from hypermesh.agent.tasks.blocks import BlockDuty
 from hypermesh.agent.tasks.containers import Containers
 from hypermesh.agent.tasks.dirpool import DirPool
 from hypermesh.agent.tasks.gpu_pool import GpuPool, gpu_source
+from hypermesh.agent.tasks.lifeline import Lifeline
 from hypermesh.agent.tasks.logs import LogShipper
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import use_pidfd_child_watcher
@@ -241,6 +242,8 @@ class Agent:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / "checkpoints").mkdir(exist_ok=True)
         self.dirs.open()
+        # Kill what an earlier agent here left running; this agent's tasks die with it.
+        self.lifeline = Lifeline.open(self.work_dir, self.decide)
         use_pidfd_child_watcher()
         hush_broken_stream_noise(asyncio.get_running_loop())
         tune_gc()

@@ -17,6 +17,10 @@ one is the dearest thing such an attempt costs the node (see ``dirpool``). The
 output. When a command has exited the pipe is drained before the next one starts, so
 the log keeps the order; after the last one it is drained and closed, and a
 straggler that still writes gets EPIPE.
+
+Where the agent opened its lifeline (``lifeline.ACTIVE``), every command's environment
+carries the lifeline's marker and its process is in the lifeline's journal from its start
+until it has been reaped, so that it dies with the agent (``agent/tasks/lifeline.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hypermesh.agent.tasks import lifeline
 from hypermesh.agent.tasks.spawn import spawn
 
 log = logging.getLogger("hypermesh.agent")
@@ -66,6 +71,9 @@ class AttemptProcess:
     ) -> None:
         self.commands = list(commands)
         self.env = dict(env)
+        line = lifeline.ACTIVE
+        if line is not None:
+            self.env[lifeline.MARKER] = line.marker
         self.cwd = cwd
         self.log_path = log_path
         self.timeout = timeout
@@ -132,10 +140,18 @@ class AttemptProcess:
         Where the kernel has pidfds the exit is read from the event loop (one fd
         watched per child): no asyncio subprocess transport, which costs more per
         short task than the task's own process start."""
+        line = lifeline.ACTIVE
+        journal = line.journal if line is not None else None
         if not _HAVE_PIDFD:
             proc = await self._start(command, log, _asyncio_exec)
-            return proc, asyncio.ensure_future(proc.wait())
+            waiter = asyncio.ensure_future(proc.wait())
+            if journal is not None:
+                journal.started(proc.pid)
+                waiter.add_done_callback(lambda _: journal.ended(proc.pid))
+            return proc, waiter
         popen = await self._start(command, log, _popen)
+        if journal is not None:
+            journal.started(popen.pid)
         loop = asyncio.get_running_loop()
         exited: asyncio.Future[int] = loop.create_future()
         pidfd = os.pidfd_open(popen.pid)
@@ -144,6 +160,8 @@ class AttemptProcess:
             loop.remove_reader(pidfd)
             os.close(pidfd)
             code = popen.wait()
+            if journal is not None:
+                journal.ended(popen.pid)
             if not exited.done():
                 exited.set_result(code)
 

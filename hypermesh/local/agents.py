@@ -128,7 +128,8 @@ class AgentProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL the agent alone (no drain, no lease revoke); its tasks live on."""
+        """SIGKILL the agent alone (no drain, no lease revoke); its lifeline then kills its
+        tasks (``agent/tasks/lifeline.py``), as on a machine whose agent died."""
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
