@@ -19,6 +19,10 @@ How a read proceeds
    copies), then to the cache. A read waits only for its own blocks.
 4. Transient store errors are retried with backoff; every read has an overall
    deadline (``deadline_s``) after which it raises ``StoreUnavailable`` — it never hangs.
+   Reads that join a claim share the deadline of the read that made it; when one
+   times out, every pending claim of the chunk fails and ``outages``
+   (``chunkfs.outage``) holds the chunk for one deadline, so a hung store costs a
+   read one deadline, once. Block lists are fetched so too (``Flights``).
 
 Prefetch (``prefetch``) fetches blocks in the background on a separate, smaller pool
 with a bounded queue; a block is claimed only when its prefetch run starts, so a
@@ -63,6 +67,7 @@ from hypermesh.chunkfs.format import (
     hash_of,
     names,
 )
+from hypermesh.chunkfs.outage import Flights, Outages, set_once
 from hypermesh.chunkfs.store import ObjectStore, retry_transient
 from hypermesh.errors import CorruptData, HypermeshError, NoSuchObject, StoreUnavailable
 
@@ -77,6 +82,16 @@ PagePush = Callable[[int, "memoryview | bytes"], None]
 PAGE = 4096
 T = TypeVar("T")
 _Result = tuple[memoryview, str]  # a verified block and where it came from
+LIST_THREADS = 4  # threads that fetch block lists
+
+
+class _Claim(Future[_Result]):
+    """A block being fetched: its result, and the deadline of the read that claimed it
+    (no read waits for it past that)."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
 
 
 @dataclass(frozen=True)
@@ -85,7 +100,8 @@ class FetchConfig:
 
     - ``deadline_s``: the longest one read may take, retries of transient store errors
       included; then ``StoreUnavailable``. Longer rides out store hiccups, shorter fails
-      a job sooner when the store is really gone.
+      a job sooner when the store is really gone. A chunk that failed so fails at once
+      for as long again.
     - ``range_bytes``: the most one ranged GET asks for (a multiple of 1 MiB). Larger
       means fewer requests and more bytes per request latency, but a read waits for its
       whole run.
@@ -157,6 +173,7 @@ class ChunkReader:
 
     Thread-safe; ``read`` blocks the calling thread. The reader owns its thread pools
     and adds to ``cache.stats``; ``close`` stops the pools (reads then fail).
+    ``outages``: chunks held after a fetch failed (the mount's page fetches share it).
     """
 
     def __init__(
@@ -174,27 +191,30 @@ class ChunkReader:
         self._pool = ThreadPoolExecutor(self.config.threads, "chunkfs-fetch")
         self._prefetch_pool = ThreadPoolExecutor(self.config.prefetch_threads, "chunkfs-ahead")
         self.buffers = BufferPool(self.config.range_bytes, self.config.buffers)
+        self.outages = Outages(self.config.deadline_s)
+        self._list_flights: Flights[bytes] = Flights("chunkfs-lists", LIST_THREADS, self.outages)
         self._lock = threading.Lock()
-        self._inflight: dict[tuple[str, int], Future[_Result]] = {}
+        self._inflight: dict[tuple[str, int], _Claim] = {}
         self._lists: OrderedDict[str, bytes] = OrderedDict()
-        self._lists_loading: dict[str, Future[bytes]] = {}
         self._prefetch_pending = 0
         self._missed: OrderedDict[str, set[int]] = OrderedDict()
 
     # ---------------------------------------------------------------- reading
-    def read(
-        self, chunk: ChunkInfo, offset: int, length: int, sequential: bool = False
-    ) -> bytes | memoryview:
+    def read(self, chunk: ChunkInfo, offset: int, length: int, sequential: bool = False,
+             deadline: float | None = None) -> bytes | memoryview:
         """Bytes ``[offset, offset+length)`` of ``chunk`` (cut at its end), verified. A
         memoryview when they are a slice of one fetched run (not copied out of it).
 
         ``sequential``: the caller reads on from here; a miss then also fetches the
         blocks after the range (up to one run) that nobody fetches yet, in the same GET.
+        ``deadline`` (``time.monotonic()``): when to give up, if not ``deadline_s`` from
+        now (a caller reading several chunks for one request gives them one).
         """
         length = min(length, chunk.size - offset)
         if length <= 0:
             return b""
-        deadline = time.monotonic() + self.config.deadline_s
+        if deadline is None:
+            deadline = time.monotonic() + self.config.deadline_s
         try:
             return self._read(chunk, offset, length, deadline, sequential)
         except HypermeshError:
@@ -225,10 +245,10 @@ class ChunkReader:
         block_list = self._block_list(chunk, deadline)
         first, last = offset // BLOCK_SIZE, (offset + length - 1) // BLOCK_SIZE
         with self.cache.pin(cid):
-            waits, new = self._claim(chunk, range(first, last + 1))
+            waits, new = self._claim(chunk, range(first, last + 1), deadline)
             if new and sequential and new[-1] == last:
                 more_end = min(block_count(chunk.size), new[-1] + self.config.run_blocks)
-                new += self._claim(chunk, range(last + 1, more_end))[1]
+                new += self._claim(chunk, range(last + 1, more_end), deadline, False)[1]
             self._start(chunk, block_list, new, deadline, self._pool, sequential)
             if new:
                 self._note_misses(chunk, new)
@@ -249,23 +269,29 @@ class ChunkReader:
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def _claim(
-        self, chunk: ChunkInfo, indices: Iterable[int]
-    ) -> tuple[dict[int, Future[_Result]], list[int]]:
-        """Futures for the blocks not ready in the cache, and which of them are new."""
-        missing = [i for i in indices if not self.cache.ready(chunk.id, i)]
-        waits: dict[int, Future[_Result]] = {}
+        self, chunk: ChunkInfo, indices: Iterable[int], deadline: float, fail_fast: bool = True
+    ) -> tuple[dict[int, _Claim], list[int]]:
+        """Claims of the blocks not ready in the cache, and which of them are new (their
+        fetch ends by ``deadline``). ``fail_fast``: raise ``StoreUnavailable`` rather than
+        claim a block of a chunk ``outages`` holds, or join a claim given up on (nothing
+        is claimed then)."""
+        cid = chunk.id
+        missing = [i for i in indices if not self.cache.ready(cid, i)]
+        waits: dict[int, _Claim] = {}
         new: list[int] = []
         if not missing:
             return waits, new
         with self._lock:
             for i in missing:
-                fut = self._inflight.get((chunk.id, i))
-                if fut is None:
-                    if self.cache.verified(chunk.id, i):
-                        continue  # it landed since we looked
-                    fut = self._inflight[(chunk.id, i)] = Future()
+                fut = self._inflight.get((cid, i))
+                if fut is not None:
+                    waits[i] = fut
+                elif not self.cache.verified(cid, i):  # else it landed since we looked
                     new.append(i)
-                waits[i] = fut
+            if fail_fast and (new or any(f.done() and f.exception() for f in waits.values())):
+                self.outages.check(cid, f"chunk {cid}")
+            for i in new:
+                waits[i] = self._inflight[(cid, i)] = _Claim(deadline)
         return waits, new
 
     def _start(
@@ -283,16 +309,26 @@ class ChunkReader:
             except RuntimeError as exc:  # the pool is shut down
                 self._resolve(chunk.id, {i: StoreUnavailable(f"reader closed: {exc}") for i in run})
 
-    def _wait(
-        self, fut: Future[_Result], deadline: float, chunk: ChunkInfo, index: int
-    ) -> _Result:
+    def _wait(self, fut: _Claim, deadline: float, chunk: ChunkInfo, index: int) -> _Result:
+        until = min(deadline, fut.deadline)
         try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            return fut.result(timeout=max(0.0, until - time.monotonic()))
         except TimeoutError:
+            self._give_up(chunk.id, f"block {index} not fetched within the deadline")
             raise StoreUnavailable(
                 f"block {index} of chunk {chunk.id} not fetched within "
                 f"{self.config.deadline_s:g} s"
             ) from None
+
+    def _give_up(self, cid: str, cause: str) -> None:
+        """A fetch of chunk ``cid`` outlived its deadline: hold the chunk and fail its
+        pending claims now. The fetches go on; blocks they still get are cached."""
+        self.outages.note(cid, cause)
+        error = StoreUnavailable(f"chunk {cid}: the store did not answer in time ({cause})")
+        with self._lock:  # claims in _inflight get their results under this lock only
+            for (c, _i), fut in self._inflight.items():
+                if c == cid:
+                    set_once(fut, error)
 
     # --------------------------------------------------------------- fetching
     def _fetch_run(
@@ -324,6 +360,10 @@ class ChunkReader:
         for i in run:
             results.setdefault(i, CorruptData(f"block {i} of chunk {chunk.id}: not fetched"))
         good: dict[int, _Result] = {i: r for i, r in results.items() if isinstance(r, tuple)}
+        if good:
+            self.outages.forget(chunk.id)  # the store (or a peer) answers again
+        elif any(isinstance(r, StoreUnavailable) for r in results.values()):
+            self.outages.note(chunk.id, f"blocks {run[0]}-{run[-1]}: the store did not answer")
         self._resolve(chunk.id, {i: r for i, r in results.items() if i not in good})
         with self._lock:
             _settle({i: self._inflight.get((chunk.id, i)) for i in good}, results)
@@ -435,7 +475,10 @@ class ChunkReader:
         return buf
 
     def _retry(self, get: Callable[[], T], deadline: float) -> T:
-        """``get()`` with transient errors retried until ``deadline``; GETs counted."""
+        """``get()`` with transient errors retried until ``deadline`` (not even tried
+        past it: a fetch queued so long has no reader left); GETs counted."""
+        if time.monotonic() >= deadline:
+            raise StoreUnavailable("the deadline passed before the fetch started")
         attempts = 0
 
         def once() -> T:
@@ -455,35 +498,27 @@ class ChunkReader:
 
     # ------------------------------------------------------------- block lists
     def _block_list(self, chunk: ChunkInfo, deadline: float) -> bytes:
+        """The chunk's block list: in memory, in the cache's records, or fetched."""
         cid = chunk.id
         with self._lock:
             found = self._lists.get(cid)
             if found is not None:
                 self._lists.move_to_end(cid)
                 return found
-            fut = self._lists_loading.get(cid)
-            owner = fut is None
-            if fut is None:
-                fut = self._lists_loading[cid] = Future()
-        if not owner:
-            try:
-                return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise StoreUnavailable(f"block list of chunk {cid} not fetched in time") from None
-        try:
-            block_list = self.cache.block_list(cid) or self._load_block_list(chunk, deadline)
-            self.cache.admit(cid, chunk.size, block_list)
-        except BaseException as exc:
-            with self._lock:
-                del self._lists_loading[cid]
-            fut.set_exception(exc)
-            raise
+        found = self.cache.block_list(cid)
+        if found is not None:
+            return self._keep_list(chunk, found)
+        return self._list_flights.get(
+            cid, lambda dl: self._keep_list(chunk, self._load_block_list(chunk, dl)),
+            deadline, f"block list of chunk {cid}",
+        )
+
+    def _keep_list(self, chunk: ChunkInfo, block_list: bytes) -> bytes:
+        self.cache.admit(chunk.id, chunk.size, block_list)
         with self._lock:
-            del self._lists_loading[cid]
-            self._lists[cid] = block_list
+            self._lists[chunk.id] = block_list
             while len(self._lists) > self.config.block_lists:
                 self._lists.popitem(last=False)
-        fut.set_result(block_list)
         return block_list
 
     def _load_block_list(self, chunk: ChunkInfo, deadline: float) -> bytes:
@@ -534,7 +569,7 @@ class ChunkReader:
         try:
             deadline = time.monotonic() + self.config.deadline_s
             block_list = self._block_list(chunk, deadline)
-            _waits, new = self._claim(chunk, blocks)
+            _waits, new = self._claim(chunk, blocks, deadline)
             for run in runs(new, self.config.run_blocks):
                 self._fetch_run(chunk, block_list, run, deadline, sink, stream=sink is not None)
                 self.stats.add("prefetched_blocks", len(run))
@@ -570,20 +605,16 @@ class ChunkReader:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._prefetch_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        self._list_flights.close()
 
 
 def _settle(
-    futures: dict[int, Future[_Result] | None], results: dict[int, _Result | BaseException]
+    futures: dict[int, _Claim | None], results: dict[int, _Result | BaseException]
 ) -> None:
     """Give each future that is not done yet its block's result or error."""
     for i, fut in futures.items():
-        if fut is None or fut.done():
-            continue
-        result = results[i]
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
+        if fut is not None:
+            set_once(fut, results[i])
 
 
 def _verified(
@@ -719,8 +750,10 @@ class FileReader:
         sequential = (
             readahead is not None and readahead.window > 0 and offset + length < entry.size
         )
+        deadline = time.monotonic() + self.reader.config.deadline_s  # one for all pieces
         data = [
-            self.reader.read(chunk, start, size, sequential) for chunk, start, size, _ in pieces
+            self.reader.read(chunk, start, size, sequential, deadline)
+            for chunk, start, size, _ in pieces
         ]
         return data[0] if len(data) == 1 else b"".join(data)
 

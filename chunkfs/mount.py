@@ -56,6 +56,7 @@ from hypermesh.chunkfs.datasets import resolve
 from hypermesh.chunkfs.fetch import ChunkReader, FetchConfig, FileReader, PeerFetch
 from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_elsewhere, write_reads
 from hypermesh.chunkfs.manifest import Manifest
+from hypermesh.chunkfs.outage import Flights
 from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
 from hypermesh.errors import HypermeshError, UsageError
@@ -70,6 +71,7 @@ READAHEAD_KB = 8192  # the kernel's readahead for the mount's device, set after 
 START_TIMEOUT_S = 120.0  # how long a starter waits for the ready message
 PR_SET_PDEATHSIG = 1  # prctl(2)
 READY_TIMEOUT_S = 30.0  # how long the mount process waits for its own mount to answer
+PAGE_THREADS = 4  # threads that fetch manifest pages
 
 
 def default_cache_dir() -> Path:
@@ -141,13 +143,21 @@ def serve(
         connect_timeout_s=min(5.0, fetch.deadline_s / 4),
     )
     root = retry_transient(lambda: resolve(store, spec), fetch.deadline_s)
-    manifest = Manifest(
-        root, lambda key: retry_transient(lambda: store.get(key), fetch.deadline_s)
-    )
     cache = ChunkCache(cache_dir / "chunks", cache_size)
     if isinstance(peer_fetch, AgentPeerFetch):
         peer_fetch.room = cache.has_room  # the agent lets a node with room fetch cold runs
     reader = ChunkReader(store, cache, fetch, peer_fetch)
+    # manifest pages: one fetch per page at a time, failing fast like chunks do
+    pages: Flights[bytes] = Flights("chunkfs-pages", PAGE_THREADS, reader.outages)
+
+    def load_page(key: str) -> bytes:
+        def get(deadline: float) -> bytes:
+            return retry_transient(lambda: store.get(key), deadline - time.monotonic())
+
+        deadline = time.monotonic() + fetch.deadline_s
+        return pages.get(key, get, deadline, f"manifest page {key}")
+
+    manifest = Manifest(root, load_page)
     staging = cache_dir / "staging"
     shutil.rmtree(staging, ignore_errors=True)
     outputs = Outputs(store, staging, retry_s=fetch.deadline_s)
@@ -168,6 +178,7 @@ def serve(
             "outputs": {"uploads": outputs.uploads, "upload_bytes": outputs.upload_bytes},
             "manifest_pages_loaded": manifest.pages_loaded,
             "buffers": {"pooled": len(reader.buffers), "fresh": reader.buffers.fresh},
+            "outages": reader.outages.snapshot(),
         }
 
     # pyfuse3's stub says ``bytes``; notify_store takes any buffer (it copies from a view).
@@ -198,6 +209,7 @@ def serve(
         pyfuse3.close(unmount=True)
         outputs.close()
         reader.close()
+        pages.close()
         cache.close()
         store.close()
         os.close(lock_fd)
