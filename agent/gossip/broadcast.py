@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from hypermesh.agent.gossip.trust import brief, check_address, check_counter, check_name
+
 ALIVE = "alive"
 SUSPECT = "suspect"
 DEAD = "dead"
@@ -78,21 +80,26 @@ class Update:
 
     @classmethod
     def from_wire(cls, row: list[Any]) -> Update:
-        """Inverse of :meth:`to_wire`; raises ValueError on a malformed row."""
+        """Inverse of :meth:`to_wire`; raises ValueError on a malformed row: one whose
+        member or source (when given) is not a node name, whose address is not
+        host:port, whose incarnation or meta version is outside ``0 .. 2**63 - 1``,
+        or whose meta is not an object (see :mod:`~hypermesh.agent.gossip.trust`)."""
         if not isinstance(row, list) or not 4 <= len(row) <= 7:
-            raise ValueError(f"an update is a list of 4 to 7 fields, got {row!r}")
+            raise ValueError(f"an update is a list of 4 to 7 fields, got {brief(row)}")
         member, address, code, incarnation = row[:4]
         meta_version = row[4] if len(row) > 4 else 0
         meta = row[5] if len(row) > 5 else None
         source = row[6] if len(row) > 6 else ""
-        if not isinstance(code, int) or not 0 <= code < len(STATES):
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < len(STATES):
             raise ValueError(f"unknown state code {code!r}")
-        if not (isinstance(member, str) and isinstance(address, str) and isinstance(source, str)):
-            raise ValueError(f"member, address and source must be strings in {row!r}")
-        if not (isinstance(incarnation, int) and isinstance(meta_version, int)):
-            raise ValueError(f"incarnation and meta_version must be integers in {row!r}")
+        check_name(member, "an update's member")
+        check_address(address, f"{member}'s address")
+        if source != "":
+            check_name(source, f"the source of an update about {member}")
+        check_counter(incarnation, f"{member}'s incarnation")
+        check_counter(meta_version, f"{member}'s meta version")
         if meta is not None and not isinstance(meta, dict):
-            raise ValueError(f"meta must be an object in {row!r}")
+            raise ValueError(f"meta must be an object in the update about {member}")
         meta_json = None if meta is None else encode_meta(meta)
         return cls(member, address, STATES[code], incarnation, meta_version, meta_json, source)
 
@@ -132,33 +139,58 @@ class Message:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Message:
-        """Inverse of :meth:`to_json`; raises ValueError on anything malformed."""
+    def from_json(cls, data: dict[str, Any], bad_rows: list[str] | None = None) -> Message:
+        """Inverse of :meth:`to_json`; raises ValueError on anything malformed.
+
+        The message itself must be well formed: a known kind, a sender that is a node
+        name at a host:port address, a target (when given) likewise, a sequence
+        number in ``0 .. 2**63 - 1``. Its rows (updates and table) are checked one by
+        one (:meth:`Update.from_wire`): with ``bad_rows``, a malformed row is left
+        out and its error appended there, and the rest of the message still counts
+        (a row is one member's news, and a sender that relays a row another version
+        of the agent accepts must not have its pings refused); without it, one
+        malformed row fails the whole message.
+        """
         if not isinstance(data, dict):
             raise ValueError(f"a message is an object, got {type(data).__name__}")
         kind = data.get("k")
         if kind not in KINDS:
-            raise ValueError(f"unknown message kind {kind!r}; expected one of {KINDS}")
-        strings = {key: data.get(key, "") for key in ("f", "fa", "t", "ta")}
-        if not all(isinstance(v, str) for v in strings.values()) or not strings["f"]:
-            raise ValueError("sender, addresses and target must be strings (sender non-empty)")
-        seq = data.get("q", 0)
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            raise ValueError(f"seq must be an integer, got {seq!r}")
+            raise ValueError(f"unknown message kind {brief(kind)}; expected one of {KINDS}")
+        sender = check_name(data.get("f"), "the sender")
+        sender_addr = check_address(data.get("fa"), "the sender's address")
+        target = data.get("t", "")
+        if target != "":
+            check_name(target, "the target")
+        target_addr = data.get("ta", "")
+        if target_addr != "":
+            check_address(target_addr, "the target's address")
+        seq = check_counter(data.get("q", 0), "seq")
         rows = {key: data.get(key, []) for key in ("u", "tb")}
         if not all(isinstance(v, list) for v in rows.values()):
             raise ValueError("updates and table must be lists")
         return cls(
             kind=kind,
-            sender=strings["f"],
-            sender_addr=strings["fa"],
+            sender=sender,
+            sender_addr=sender_addr,
             seq=seq,
-            target=strings["t"],
-            target_addr=strings["ta"],
-            updates=tuple(Update.from_wire(r) for r in rows["u"]),
-            table=tuple(Update.from_wire(r) for r in rows["tb"]),
-            refused=bool(data.get("r", 0)),
+            target=target,
+            target_addr=target_addr,
+            updates=_rows(rows["u"], bad_rows),
+            table=_rows(rows["tb"], bad_rows),
+            refused=data.get("r", 0) == 1,
         )
+
+
+def _rows(rows: list[Any], bad_rows: list[str] | None) -> tuple[Update, ...]:
+    if bad_rows is None:
+        return tuple(Update.from_wire(r) for r in rows)
+    out = []
+    for r in rows:
+        try:
+            out.append(Update.from_wire(r))
+        except ValueError as exc:
+            bad_rows.append(str(exc))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,7 +145,21 @@ class GossipConfig:
     rest."""
 
     dead_retention: float = 300.0
-    """Seconds a dead or left member is remembered (for refutation and reconnects)."""
+    """Seconds a dead or left member is remembered (for refutation and reconnects).
+
+    Forgotten at the start of the next probe pass after that. Longer: a member back
+    from a long partition is found by reconnect push-pulls for longer; the table
+    holds the departed longer."""
+
+    max_members: int = 10_000
+    """Most members this member's table holds, itself and the dead and left included.
+
+    A bound against a flood of made-up members (anyone who can reach the port can
+    announce names), well above any real mesh. When the table is full, a new member
+    takes the place of the member longest dead or left, if any; otherwise it is
+    refused (counted, see ``trust.Refusals``) until members leave the table. Each
+    member costs up to ``max_meta_bytes`` plus about 1 KB here. Larger: room for
+    larger meshes, more memory a flood can take."""
 
     max_meta_bytes: int = 2048
     """Largest serialized meta (JSON) a member may publish about itself.
@@ -171,6 +185,7 @@ class GossipConfig:
         _check_range("reconnect_interval", self.reconnect_interval, 0.0, 86400.0)
         _check_range("dead_retention", self.dead_retention, 0.0, 30 * 86400.0)
         _check_range("max_meta_bytes", self.max_meta_bytes, 16, 1 << 20, integer=True)
+        _check_range("max_members", self.max_members, 2, 10_000_000, integer=True)
 
     @classmethod
     def lan(cls, **overrides: Any) -> GossipConfig:

@@ -16,7 +16,10 @@ member itself starts here too: new meta (:func:`publish_meta`) and leaving
 (:func:`leave`).
 
 What it guarantees: news is re-gossiped only when it changed what this member
-knows (or confirmed a suspicion it holds); a member that has not left answers
+knows (or confirmed a suspicion it holds); a member's incarnation here rises
+only with its own alive rows (or its own left), never with others' claims about
+it (:func:`_refusal`); the table never grows past ``cfg.max_members``; a member
+that has not left answers
 a suspicion or death of itself at its incarnation (or above) with a higher one,
 and a stale one by spreading its current alive update again; a push-pull never
 makes a death here on its own (a reported death counts as a suspicion, which
@@ -52,14 +55,26 @@ from hypermesh.agent.gossip.suspicion import (
     push_pull_period,
     suspicion_bounds,
 )
+from hypermesh.agent.gossip.trust import (
+    INCARNATION,
+    LEFT_BY_OTHER,
+    MAX_COUNTER,
+    OVERSIZED,
+    TABLE_FULL,
+)
 
 _INF = math.inf
 
 # ---------------------------------------------------------------- merging
 
 
-def apply(s: SwimState, u: Update, now: float, gossip: bool) -> None:
-    """Merge one update by the precedence rules; re-gossip it if it was news."""
+def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> None:
+    """Merge one update that ``sender`` sent (this member, for its own verdicts) by
+    the precedence rules, unless :func:`_refusal` refuses it; re-gossip it if it
+    was news."""
+    if u.meta_json is not None and len(u.meta_json) > s.cfg.max_meta_bytes:
+        s.refusals.add(OVERSIZED, f"{len(u.meta_json)} bytes of meta for {u.member}")
+        return
     if u.member == s.name:
         _about_me(s, u, now)
         return
@@ -67,6 +82,9 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool) -> None:
     if cur is None:
         if u.state != ALIVE:
             return  # suspicions and deaths of strangers are no news to act on
+        if not s._make_room():
+            s.refusals.add(TABLE_FULL, f"{u.member} from {sender}")
+            return
         meta = u.meta_json if u.meta_json is not None else "{}"
         s._store(u.member, _Member(u.address, ALIVE, u.incarnation, u.meta_version, meta, now))
         s._record(u.member, "", ALIVE, now)
@@ -74,19 +92,14 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool) -> None:
     elif u.state == ALIVE:
         if not _apply_alive(s, u, cur, now):
             return
-    elif u.state == SUSPECT and cur.state == SUSPECT and u.incarnation >= cur.incarnation:
-        if u.incarnation > cur.incarnation:
-            s._store(
-                u.member,
-                _Member(
-                    cur.address,
-                    SUSPECT,
-                    u.incarnation,
-                    cur.meta_version,
-                    cur.meta_json,
-                    cur.since,
-                ),
-            )
+    elif (why := _refusal(u, cur, sender)) is not None:
+        s.refusals.add(why, f"{u.state} {u.member} at {u.incarnation} from {sender}")
+        if cur.state == SUSPECT:
+            # Honest news of a newer incarnation means we missed a refutation: our
+            # own probe of the suspect carries our suspicion, and its ack the answer.
+            s._to_confirm.add(u.member)
+        return
+    elif u.state == SUSPECT and cur.state == SUSPECT and u.incarnation == cur.incarnation:
         susp = s._suspicions.get(u.member)
         if susp is None or not susp.confirm(u.source):
             return
@@ -114,6 +127,28 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool) -> None:
         return
     if gossip:
         s._queue.push(u)
+
+
+def _refusal(u: Update, cur: _Member, sender: str) -> str | None:
+    """Why a suspect, dead or left claim ``u`` about a known member is not believed
+    (None: it is weighed by the precedence rules).
+
+    Only a member raises its own incarnation, in the alive rows it announces (its
+    join, its refutations): what this member holds for it, ``cur.incarnation``, is
+    the highest it has heard the member announce, since nothing else raises it. A
+    claim above it was made about an incarnation the member never announced as far
+    as we know, so it is refused: a forged death at incarnation + 1000 would
+    otherwise be irrefutable until the member's own incarnation caught up. An
+    honest accuser's claim is above ours only if we missed the member's latest
+    refutation; then our own probe (see :func:`apply`) or the member's next alive
+    row catches us up, and push-pull repairs the rest. A left above it is taken
+    only from the member itself: leaving is the one claim only its subject makes.
+    """
+    if u.incarnation <= cur.incarnation:
+        return None
+    if u.state == LEFT:
+        return None if sender == u.member else LEFT_BY_OTHER
+    return INCARNATION
 
 
 def _apply_alive(s: SwimState, u: Update, cur: _Member, now: float) -> bool:
@@ -162,9 +197,12 @@ def _about_me(s: SwimState, u: Update, now: float) -> None:
 
 
 def _refute(s: SwimState, u: Update, now: float) -> None:
-    s._incarnation = max(s._incarnation, u.incarnation) + 1
+    # Capped at the largest incarnation decoding accepts: a claim at the cap (which
+    # only a forger makes) then goes unanswered rather than making our own rows
+    # unreadable to everyone.
+    s._incarnation = min(MAX_COUNTER, max(s._incarnation, u.incarnation) + 1)
     if u.meta_version > s._meta_version:
-        s._meta_version = u.meta_version + 1
+        s._meta_version = min(MAX_COUNTER, u.meta_version + 1)
     s._store_self(now)
     s._queue.push(s._self_update())
 
@@ -180,7 +218,7 @@ def merge_table(s: SwimState, msg: Message, now: float) -> None:
             continue  # the very record we hold (shared roster entries): nothing new
         if u.state == DEAD or (u.state == SUSPECT and not u.source):
             u = Update(u.member, u.address, SUSPECT, u.incarnation, source=msg.sender)
-        apply(s, u, now, gossip=u.member == msg.sender or u.state == SUSPECT)
+        apply(s, u, now, u.member == msg.sender or u.state == SUSPECT, msg.sender)
 
 
 # ---------------------------------------------------------------- push-pull and joining
@@ -231,7 +269,7 @@ def join(s: SwimState, seeds: Sequence[tuple[str, str]], now: float, out: list[O
         if name == s.name:
             continue
         if s._table.get(name) is None:
-            apply(s, Update(name, address, ALIVE, 0), now, gossip=False)
+            apply(s, Update(name, address, ALIVE, 0), now, False, s.name)
         pending.append((name, address))
     s._rng.shuffle(pending)
     s._join_pending = pending
@@ -255,7 +293,7 @@ def join_next(s: SwimState, now: float, out: list[Outgoing]) -> None:
 def publish_meta(s: SwimState, meta: dict[str, Any], now: float) -> None:
     """New meta for this member: a new meta version, spread as an alive update."""
     s._meta_json = s._checked_meta(meta)
-    s._meta_version += 1
+    s._meta_version = min(MAX_COUNTER, s._meta_version + 1)
     s._store_self(now)
     s._meta_changed[s.name] = None
     s._queue.push(s._self_update())
@@ -294,13 +332,14 @@ def gossip_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
 
 
 def ping(s: SwimState, target: str, rec: _Member, seq: int) -> Outgoing:
-    """A ping; to a suspect it carries the suspicion first, so the suspect hears
-    of it from whoever probes it and can refute at once (Lifeguard's buddy system)."""
+    """A ping; to a suspect it carries the suspicion first (to a member reported dead,
+    the death), so the suspect hears of it from whoever probes it and can refute at
+    once (Lifeguard's buddy system)."""
     updates: list[Update] = []
-    if rec.state == SUSPECT:
+    if rec.state in (SUSPECT, DEAD):
         susp = s._suspicions.get(target)
         accuser = susp.accuser if susp else s.name
-        updates.append(Update(target, rec.address, SUSPECT, rec.incarnation, source=accuser))
+        updates.append(Update(target, rec.address, rec.state, rec.incarnation, source=accuser))
     updates += s._queue.take(
         s.cfg.max_piggyback - len(updates),
         s._retransmit_limit(),

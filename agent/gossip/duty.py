@@ -6,9 +6,10 @@ refused a connection, feeds it
 the node's load as metadata, and turns its verdicts into action: when a member
 is declared dead, the leader (or every agent, when the leader is the one that
 died or none is known) revokes that node's etcd lease, so its tasks are claimed
-again at once. A node wrongly declared dead loses its lease, kills its tasks,
-rejoins, and its late results are fenced off, so a wrong verdict costs work,
-never correctness.
+again at once, but only on a death its own probes witnessed (a death it only
+heard of is probed first: no forged message can get a lease revoked). A node
+wrongly declared dead loses its lease, kills its tasks, rejoins, and its late
+results are fenced off, so a wrong verdict costs work, never correctness.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import grpc
 from hypermesh._proto import agent_pb2
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.link import PeerLink
+from hypermesh.agent.gossip.suspicion import health_scaled, probe_deadline
 from hypermesh.agent.gossip.swim import Message, Outgoing, Swim
+from hypermesh.agent.gossip.trust import MALFORMED
 from hypermesh.chunkfs.holdings import SOURCES, merge
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 
@@ -109,6 +112,7 @@ class Gossip:
         self.caches: list[CacheScan] = []  # each chunk cache as of the last scan
         self._holdings_at = -math.inf
         self._holdings: asyncio.Task[None] | None = None
+        self._checks: dict[str, list[asyncio.Future[None]]] = {}  # deaths under our probe
 
     # ------------------------------------------------------------------ running
     async def run(self) -> None:
@@ -125,7 +129,12 @@ class Gossip:
                         self._send(self.swim.join(seeds, now))
                 self._send(self.swim.tick(now))
                 self._publish_load(now)
+                refused = self.swim.refusals.report(now)
+                if refused:
+                    log.warning("%s", refused)
                 await self._act_on_events()
+                if self._checks:
+                    self._settle_checks()
                 self._sync_chunks()
                 delay = min(IDLE_TICK_S, max(0.01, self.swim.next_deadline() - time.monotonic()))
                 self._sleep_until = time.monotonic() + delay
@@ -161,13 +170,18 @@ class Gossip:
         return self.swim.live_count() > 1  # someone besides this node
 
     # ------------------------------------------------------------------ messages
-    def receive(self, payload: bytes) -> list[bytes]:
+    def receive(self, payload: bytes, peer: str | None = None) -> list[bytes]:
         """A message from a peer (called by the gRPC servicer). Returns the encoded
-        messages for the sender, which go back in the call's response."""
+        messages for the sender, which go back in the call's response.
+
+        ``peer``: the node name the connection is authenticated as (its certificate's),
+        None while connections are plaintext; a message another member sends in its
+        name is refused (see :meth:`Swim.receive`). A malformed message raises
+        ValueError (counted, like its malformed rows, which are left out)."""
         if self.swim is None:
             return []
-        message = Message.from_json(json.loads(payload))
-        outgoing = self.swim.receive(message, time.monotonic())
+        message = self._decode(payload)
+        outgoing = self.swim.receive(message, time.monotonic(), peer)
         replies = [o for o in outgoing if o.to == message.sender]
         self._send([o for o in outgoing if o.to != message.sender])
         self._wake_if_due()
@@ -178,7 +192,11 @@ class Gossip:
         loop's own wake-up (a new timer, a state change to act on): an idle mesh's
         pings and acks then cost no extra loop turn."""
         assert self.swim is not None
-        if self.swim.has_events or self.swim.next_deadline() < self._sleep_until:
+        if (
+            self.swim.has_events
+            or self._checks
+            or self.swim.next_deadline() < self._sleep_until
+        ):
             self._wake.set()
 
     def channel(self, address: str) -> grpc.aio.Channel:
@@ -211,10 +229,28 @@ class Gossip:
                 self.links[out.address] = link
             link.send(out, _encode(out))
 
+    def _decode(self, payload: bytes) -> Message:
+        """The message in ``payload``; its malformed rows left out and counted, and a
+        malformed message counted and raised as ValueError."""
+        assert self.swim is not None
+        bad_rows: list[str] = []
+        try:
+            message = Message.from_json(json.loads(payload), bad_rows)
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+            self.swim.refusals.add(MALFORMED, str(exc)[:200])
+            raise ValueError(str(exc)[:200]) from None
+        for error in bad_rows:
+            self.swim.refusals.add(MALFORMED, f"a row from {message.sender}: {error}")
+        return message
+
     def _on_reply(self, payload: bytes) -> None:
         if self.swim is None:
             return
-        self._send(self.swim.receive(Message.from_json(json.loads(payload)), time.monotonic()))
+        try:
+            message = self._decode(payload)
+        except ValueError:
+            return  # counted; the peer's other replies still count
+        self._send(self.swim.receive(message, time.monotonic()))
         self._wake_if_due()
 
     def _on_failed(self, tag: object, was_refused: bool) -> None:
@@ -353,12 +389,67 @@ class Gossip:
             seen = self.swim.member(member) if self.swim is not None else None
             if node is None or node.lease != lease or (seen is not None and seen.state == "alive"):
                 return  # revoked by the leader meanwhile, or refuted
+        if not await self._witness(member):
+            self.revoked.discard((member, lease))  # a later death may still be acted on
+            return
+        if delay:
             a.decide(f"gossip: {member} is dead and the leader has not acted; revoking")
         a.decide(f"gossip: {member} is dead; revoking its lease {lease:x}")
         try:
             await a.etcd.revoke(lease)
         except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
             log.exception("revoking the lease of %s", member)
+
+    async def _witness(self, member: str) -> bool:
+        """Whether this node's own probes found ``member`` dead, probing it now when its
+        death is only what others said: a lease is revoked on a death this node saw,
+        never on one message (which anyone who reaches the port can forge)."""
+        swim = self.swim
+        assert swim is not None
+        if swim.witnessed(member) is not None:
+            return True
+        self.agent.decide(f"gossip: {member} was reported dead; probing it before acting")
+        self._send(swim.check_death(member, time.monotonic()))
+        self._wake.set()
+        probe_s = health_scaled(probe_deadline(self.cfg), swim.local_health)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._checks.setdefault(member, []).append(waiter)
+        try:
+            async with asyncio.timeout(2 * probe_s + self.cfg.protocol_period):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._checks.get(member, [])
+            if waiter in waiters:
+                waiters.remove(waiter)
+            if not waiters:
+                self._checks.pop(member, None)
+        if swim.witnessed(member) is not None:
+            return True
+        self.agent.decide(f"gossip: not acting on {member}'s death: our probe did not confirm it")
+        return False
+
+    def _settle_checks(self) -> None:
+        """Wake :meth:`_witness` calls whose probe has ended (or whose member is no
+        longer dead)."""
+        assert self.swim is not None
+        for member, waiters in self._checks.items():
+            view = self.swim.member(member)
+            done = (
+                self.swim.witnessed(member) is not None
+                or view is None
+                or view.state != "dead"
+                or not self.swim.probing(member)
+            )
+            if done:
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+
+    def refused(self) -> dict[str, int]:
+        """Gossip refused since this agent started, by reason (see ``trust.py``)."""
+        return dict(self.swim.refusals.totals) if self.swim is not None else {}
 
     def alive(self, name: str) -> bool:
         """Whether gossip has ``name`` alive (or has not heard of it yet)."""

@@ -129,14 +129,21 @@ class PeerLink:
 
 
 async def serve_stream(
-    packets: AsyncIterator[agent_pb2.GossipPacket], receive: Callable[[bytes], list[bytes]]
+    packets: AsyncIterator[agent_pb2.GossipPacket],
+    receive: Callable[[bytes, str | None], list[bytes]],
+    peer: str | None = None,
 ) -> AsyncIterator[agent_pb2.GossipAck]:
-    """The server side of a peer's stream: each message in, its replies (if any) out."""
+    """The server side of a peer's stream: each message in, its replies (if any) out.
+
+    ``peer``: the node name the stream's connection is authenticated as, None while
+    connections are plaintext; ``receive`` refuses messages sent in another name."""
     async for packet in packets:
         try:
-            replies = receive(packet.payload)
+            replies = receive(packet.payload, peer)
         except (ValueError, KeyError, TypeError) as exc:
-            log.warning("dropped a bad gossip message: %s", exc)
+            # Counted by the receiver and logged at most once a minute: anyone who
+            # reaches the port could fill the log otherwise.
+            log.debug("dropped a bad gossip message: %s", exc)
             continue
         if replies:
             yield agent_pb2.GossipAck(replies=replies)

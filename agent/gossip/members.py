@@ -114,6 +114,11 @@ class _Table:
         self._base_names: tuple[str, ...] = roster.names if roster else ()
         self._local: dict[str, _Member] = {}
         self._extra: list[str] = []
+        self._forgotten = 0  # roster members forgotten (they keep their slot in size())
+
+    def count(self) -> int:
+        """Members held (forgotten roster members not counted)."""
+        return self.size() - self._forgotten
 
     def get(self, name: str) -> _Member | None:
         rec = self._local.get(name)
@@ -122,13 +127,18 @@ class _Table:
         return None if rec is _FORGOTTEN else rec
 
     def set(self, name: str, rec: _Member) -> None:
-        if name not in self._local and name not in self._base:
+        old = self._local.get(name)
+        if old is None and name not in self._base:
             self._extra.append(name)
+        elif old is _FORGOTTEN:
+            self._forgotten -= 1
         self._local[name] = rec
 
     def forget(self, name: str) -> None:
         if name in self._base:
-            self._local[name] = _FORGOTTEN
+            if self._local.get(name) is not _FORGOTTEN:
+                self._local[name] = _FORGOTTEN
+                self._forgotten += 1
         elif self._local.pop(name, None) is not None:
             self._extra.remove(name)
 

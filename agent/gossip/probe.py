@@ -35,6 +35,7 @@ import math
 from hypermesh.agent.gossip.broadcast import (
     ALIVE,
     DEAD,
+    LEFT,
     SUSPECT,
     Message,
     Outgoing,
@@ -81,6 +82,19 @@ def _ping(s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoin
     s._probes[probe.seq] = probe
     s._probing[target] = probe.seq
     out.append(ping(s, target, rec, probe.seq))
+
+
+def check_death(s: SwimState, target: str, now: float, out: list[Outgoing]) -> None:
+    """Probe ``target``, which others reported dead (or suspect), ourselves: the ping
+    carries the report, so a live target refutes it in its ack; a failed probe makes
+    the death one we witnessed (:func:`_fail_target`). Nothing to do for a death we
+    witnessed already or a probe of it in flight."""
+    rec = s._table.get(target)
+    if s._left or rec is None or rec.state == LEFT or target == s.name:
+        return
+    if target in s._witnessed or target in s._probing:
+        return
+    _ping(s, target, rec, now, out)
 
 
 def start_fast_probe(
@@ -159,7 +173,7 @@ def check_refused(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) 
     quorum = s.cfg.refused_quorum
     if quorum and refusals >= quorum:
         s._end_probe(probe)
-        _declare_dead(s, probe.target, now, "refused")
+        _declare_dead(s, probe.target, now, "refused", seen=True)
     elif probe.direct_refused and probe.indirect and not probe.via:
         s._end_probe(probe)
         _fail_target(s, probe, now)
@@ -175,8 +189,13 @@ def probe_failed(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -
 
 
 def _fail_target(s: SwimState, probe: _Probe, now: float) -> None:
-    if probe.verify and s._verifying.pop(probe.target, None) is not None:
-        _declare_dead(s, probe.target, now, "suspicion timeout, unconfirmed, last probe failed")
+    rec = s._table.get(probe.target)
+    if rec is not None and rec.state == DEAD:  # others' verdict (see check_death)
+        _declare_dead(s, probe.target, now, "reported dead; our probe failed too", seen=True)
+    elif probe.verify and s._verifying.pop(probe.target, None) is not None:
+        _declare_dead(
+            s, probe.target, now, "suspicion timeout, unconfirmed, last probe failed", seen=True
+        )
     else:
         _suspect(s, probe.target, now)
 
@@ -224,6 +243,7 @@ def on_ack(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
     if probe is not None and probe.target in (msg.sender, msg.target):
         s._end_probe(probe)
         s._bump_awareness(-1)
+        s._witnessed.pop(probe.target, None)  # whatever we saw before, it answers now
         susp = s._verifying.pop(probe.target, None) if probe.verify else None
         rec = s._table.get(probe.target)
         if susp is not None and rec is not None and rec.state == SUSPECT:
@@ -296,24 +316,26 @@ def _nack(s: SwimState, relay: _Relay, refused: bool) -> Outgoing:
 def _suspect(s: SwimState, target: str, now: float) -> None:
     rec = s._table.get(target)
     if rec is not None and rec.state in _LIVE:
-        apply(
-            s,
-            Update(target, rec.address, SUSPECT, rec.incarnation, source=s.name),
-            now,
-            gossip=True,
-        )
+        s._witnessed[target] = "our probe failed"
+        update = Update(target, rec.address, SUSPECT, rec.incarnation, source=s.name)
+        apply(s, update, now, True, s.name)
 
 
-def _declare_dead(s: SwimState, target: str, now: float, reason: str) -> None:
+def _declare_dead(s: SwimState, target: str, now: float, reason: str, seen: bool) -> None:
+    """``target`` is dead by this member's verdict; ``seen``: our own probe just failed
+    (else it is a suspicion, perhaps only others', that ran out). A death we had only
+    heard of becomes one we witnessed."""
     rec = s._table.get(target)
-    if rec is not None and rec.state in _LIVE:
+    if rec is None or rec.state == LEFT:
+        return
+    if seen:
+        s._witnessed[target] = reason
+    if rec.state in _LIVE:
         s.log.append((now, target, "declared-dead", reason))
-        apply(
-            s,
-            Update(target, rec.address, DEAD, rec.incarnation, source=s.name),
-            now,
-            gossip=True,
-        )
+        update = Update(target, rec.address, DEAD, rec.incarnation, source=s.name)
+        apply(s, update, now, True, s.name)
+    elif seen:
+        s.log.append((now, target, "confirmed-dead", reason))
 
 
 def expire_suspicions(s: SwimState, now: float, out: list[Outgoing]) -> None:
@@ -326,9 +348,8 @@ def expire_suspicions(s: SwimState, now: float, out: list[Outgoing]) -> None:
             continue
         s._drop_suspicion(member)
         if susp.confirmers:
-            _declare_dead(
-                s, member, now, f"suspicion timeout, {len(susp.confirmers)} confirmations"
-            )
+            why = f"suspicion timeout, {len(susp.confirmers)} confirmations"
+            _declare_dead(s, member, now, why, seen=False)
             continue
         s._verifying[member] = susp
         seq = s._probing.get(member)

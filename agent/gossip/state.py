@@ -11,7 +11,9 @@ What it guarantees, through the primitives below (the only code that writes the
 fields they name):
 
 * ``_n_live``, ``_dead`` and ``_gone`` agree with the table after every
-  :meth:`~SwimState._store` (this member is never in ``_gone``);
+  :meth:`~SwimState._store` (this member is never in ``_gone``), and
+  ``_witnessed`` holds no alive member;
+* the table holds at most ``cfg.max_members`` members (:meth:`~SwimState._make_room`);
 * ``_susp_next`` is never later than the earliest suspicion deadline
   (:meth:`~SwimState._hold_suspicion`, :meth:`~SwimState._drop_suspicion`);
 * ``_probing`` maps each member under probe to its one probe in ``_probes``
@@ -48,6 +50,7 @@ from hypermesh.agent.gossip.broadcast import (
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.members import _GONE, _LIVE, Roster, _Member, _Table
 from hypermesh.agent.gossip.suspicion import Suspicion, push_pull_period, retransmit_limit
+from hypermesh.agent.gossip.trust import Refusals
 
 __all__ = ["SwimState"]
 
@@ -124,6 +127,10 @@ class SwimState:
         self._probes: dict[int, _Probe] = {}
         self._probing: dict[str, int] = {}  # target -> seq of our probe of it
         self._to_confirm: set[str] = set()  # suspects others accused: probe them ourselves
+        # Members our own probes found silent or refusing since they were last alive,
+        # and how: a death we witnessed, not one we only heard of.
+        self._witnessed: dict[str, str] = {}
+        self.refusals = Refusals()  # news refused (see trust.py); the agent logs it
         self._relays: dict[int, _Relay] = {}
         self._seq = 0
         self._awareness = 0
@@ -159,6 +166,8 @@ class SwimState:
             self._gone[name] = rec.since
         else:
             self._gone.pop(name, None)
+        if rec.state == ALIVE:
+            self._witnessed.pop(name, None)
         self._table.set(name, rec)
 
     def _store_self(self, now: float) -> None:
@@ -184,9 +193,23 @@ class SwimState:
         """Forget dead and left members older than ``dead_retention``."""
         horizon = now - self.cfg.dead_retention
         for name in [name for name, since in self._gone.items() if since < horizon]:
-            del self._gone[name]
-            self._dead.pop(name, None)
-            self._table.forget(name)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        del self._gone[name]
+        self._dead.pop(name, None)
+        self._witnessed.pop(name, None)
+        self._table.forget(name)
+
+    def _make_room(self) -> bool:
+        """Whether the table can take one more member (``cfg.max_members``); when it is
+        full, the member longest dead or left is forgotten to make room, if any."""
+        if self._table.count() < self.cfg.max_members:
+            return True
+        if not self._gone:
+            return False
+        self._forget(next(iter(self._gone)))  # in order of death, about: the oldest
+        return True
 
     def _self_update(self) -> Update:
         return Update(

@@ -37,6 +37,13 @@ that nobody confirmed gets one last probe (carrying the suspicion) before it
 becomes a death, and a member that hears an accusation it already refuted sends
 its refutation round again.
 
+And some against forged news (:mod:`~hypermesh.agent.gossip.trust`): a suspect
+or dead claim above the incarnation a member announced itself is not believed,
+a left above it only from the member, the table is bounded, a message from a
+connection authenticated as another member is refused; and :meth:`Swim.witnessed`
+tells a death this member's own probes saw from one it only heard of, which
+:meth:`Swim.check_death` probes (the agent acts only on the first kind).
+
 Where the parts live: :class:`Swim` (here) is the public face — events in,
 outgoing messages and views out — and the scheduler that fires timers in
 order; its state and the primitives that keep it consistent are
@@ -69,6 +76,7 @@ from hypermesh.agent.gossip.broadcast import (
 )
 from hypermesh.agent.gossip.members import _LIVE, MemberView, Roster, _Member, supersedes
 from hypermesh.agent.gossip.state import SwimState
+from hypermesh.agent.gossip.trust import NOT_PEER
 
 __all__ = [
     "ALIVE",
@@ -123,6 +131,16 @@ class Swim(SwimState):
         """What this member believes about ``name``, or None if it does not know it."""
         rec = self._table.get(name)
         return None if rec is None else _view(name, rec)
+
+    def witnessed(self, member: str) -> str | None:
+        """How this member's own probes found ``member`` silent or refusing since it was
+        last alive (a failed probe, refusals, a failed last probe of its suspicion), or
+        None: its suspicion or death, if any, is only what others said."""
+        return self._witnessed.get(member)
+
+    def probing(self, member: str) -> bool:
+        """Whether a probe of ``member`` by this member is in flight."""
+        return member in self._probing
 
     def live_count(self) -> int:
         """N: members alive or suspect, this one included."""
@@ -204,11 +222,19 @@ class Swim(SwimState):
             dissemination.reconnect_round(self, now, out)
         return out
 
-    def receive(self, msg: Message, now: float) -> list[Outgoing]:
-        """Handle one message from another member."""
+    def receive(self, msg: Message, now: float, peer: str | None = None) -> list[Outgoing]:
+        """Handle one message from another member.
+
+        ``peer``: the member the connection it came on is authenticated as (the name
+        in the peer's certificate), or None where connections are not authenticated.
+        A message whose sender is not ``peer`` is refused whole: a member speaks in
+        gossip only for itself."""
+        if peer is not None and msg.sender != peer:
+            self.refusals.add(NOT_PEER, f"a {msg.kind} from {msg.sender!r} sent by {peer!r}")
+            return []
         out: list[Outgoing] = []
         for update in msg.updates:
-            dissemination.apply(self, update, now, gossip=True)
+            dissemination.apply(self, update, now, True, msg.sender)
         kind = msg.kind
         if kind == "ping":
             probe.on_ping(self, msg, out)
@@ -238,6 +264,15 @@ class Swim(SwimState):
             rec = self._table.get(to)
             if rec is not None and rec.state in _LIVE:
                 probe.start_fast_probe(self, to, rec, now, out)
+        return out
+
+    def check_death(self, member: str, now: float) -> list[Outgoing]:
+        """Probe ``member``, which others reported dead, ourselves before acting on it:
+        if the probe fails, :meth:`witnessed` says so; if it answers, it refutes (the
+        ping carries the report). Nothing is sent for a death already witnessed or a
+        member already under probe."""
+        out: list[Outgoing] = []
+        probe.check_death(self, member, now, out)
         return out
 
     def set_meta(self, meta: dict[str, Any], now: float) -> None:

@@ -78,6 +78,7 @@ class Snapshot:
     mesh_lost_attempts: Counter[str] = field(default_factory=Counter)
     gossip_members: Counter[str] = field(default_factory=Counter)
     gossip_local_health: int = 0
+    gossip_refused: Counter[str] = field(default_factory=Counter)
     mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
     nvml: bool = False
     telemetry: NodeSample | None = None
@@ -129,6 +130,7 @@ def snapshot(agent: MeteredAgent) -> Snapshot:
     members = agent.gossip.members()
     snap.gossip_members.update(m.state for m in members.members)
     snap.gossip_local_health = members.local_health
+    snap.gossip_refused.update(agent.gossip.refused())
     return snap
 
 
@@ -214,6 +216,14 @@ def families(s: Snapshot) -> list[Metric]:
     out.append(members)
     gauge("hypermesh_gossip_local_health", "Lifeguard local health score (0 = healthy).",
           s.gossip_local_health)
+    refused = CounterMetricFamily(
+        "hypermesh_gossip_refused",
+        "Gossip messages and rows this node refused to believe, by reason.",
+        labels=["node", "reason"],
+    )
+    for reason, n in sorted(s.gossip_refused.items()):
+        refused.add_metric([s.node, reason], n)
+    out.append(refused)
 
     out.extend(_mount_families(s.node, s.mounts))
     out.extend(_telemetry_families(s))

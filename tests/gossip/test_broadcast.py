@@ -68,18 +68,18 @@ def test_update_wire_round_trip_drops_trailing_defaults() -> None:
     dead = Update("n2", "h:2", DEAD, 4, source="n1")
     assert dead.to_wire() == ["n2", "h:2", 2, 4, 0, None, "n1"]
     assert up("n3").to_wire() == ["n3", "addr-n3", 0, 0]
-    assert Update.from_wire(["n3", "addr-n3", 0, 0]) == up("n3")
+    assert Update.from_wire(["n3", "h:3", 0, 0]) == Update("n3", "h:3", ALIVE, 0)
     assert hash(alive) == hash(Update.from_wire(alive.to_wire()))
 
 
 @pytest.mark.parametrize(
     "row",
     [
-        ["a", "b", 0],
-        ["a", "b", 7, 0],
+        ["a", "b:1", 0],
+        ["a", "b:1", 7, 0],
         ["a", 1, 0, 0],
-        ["a", "b", 0, "1"],
-        ["a", "b", 0, 0, 0, [1]],
+        ["a", "b:1", 0, "1"],
+        ["a", "b:1", 0, 0, 0, [1]],
         "abc",
     ],
 )

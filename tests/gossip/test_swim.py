@@ -106,17 +106,17 @@ def test_message_json_round_trip_is_compact_and_exact() -> None:
     data = msg.to_json()
     assert Message.from_json(json.loads(json.dumps(data))) == msg
     assert data["u"][1] == ["n2", "h:2", 1, 4, 0, None, "n1"]
-    assert Message.from_json(Message("ack", "a", "x").to_json()) == Message("ack", "a", "x")
+    assert Message.from_json(Message("ack", "a", "x:1").to_json()) == Message("ack", "a", "x:1")
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        {"k": "shout", "f": "a"},
-        {"k": "ping"},
-        {"k": "ping", "f": "a", "q": "1"},
-        {"k": "ping", "f": "a", "u": [["m", "x", 9, 0]]},
-        {"k": "ping", "f": "a", "u": "x"},
+        {"k": "shout", "f": "a", "fa": "h:1"},
+        {"k": "ping", "fa": "h:1"},
+        {"k": "ping", "f": "a", "fa": "h:1", "q": "1"},
+        {"k": "ping", "f": "a", "fa": "h:1", "u": [["m", "x:1", 9, 0]]},
+        {"k": "ping", "f": "a", "fa": "h:1", "u": "x"},
     ],
 )
 def test_malformed_messages_are_rejected(bad: dict[str, object]) -> None:

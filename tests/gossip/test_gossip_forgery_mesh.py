@@ -1,0 +1,121 @@
+"""Forged gossip against real agents on loopback (issue 21): a forged death of a busy
+member and a flood of made-up members, sent over gRPC as a peer would, neither get
+the member's lease revoked nor break ``GetMembers`` and the dashboard."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+import grpc
+
+from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.agent.gossip.broadcast import DEAD, Message, Update
+from hypermesh.local.agents import AgentProcess
+from hypermesh.local.processes import wait_for
+from tests.conftest import Mesh, process_gone, task_pid
+
+QUIET_S = 3.0  # a window of three lan protocol periods; the lease used to go in 0.2 s
+
+
+def stub(agent: AgentProcess) -> agent_pb2_grpc.AgentStub:
+    return agent_pb2_grpc.AgentStub(grpc.insecure_channel(agent.address))
+
+
+def members(agent: AgentProcess) -> dict[str, Any]:
+    reply = stub(agent).GetMembers(agent_pb2.GetMembersRequest(), timeout=10)
+    return {m.name: m for m in reply.members}
+
+
+def send(agent: AgentProcess, message: dict[str, Any]) -> None:
+    """One packet, encoded as ``agent/gossip/duty.py`` encodes what it sends."""
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    stub(agent).Gossip(agent_pb2.GossipPacket(payload=payload), timeout=10)
+
+
+def api_nodes(agent: AgentProcess) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{agent.http_address}/api/nodes", timeout=10) as r:
+        assert r.status == 200
+        return dict(json.load(r))
+
+
+def test_forged_deaths_and_ghosts_neither_kill_a_busy_member_nor_break_the_tables(
+    mesh: Mesh,
+) -> None:
+    node1 = mesh.agent("node1")
+    wait_for(lambda: any(n["leader"] for n in mesh.hm_json("nodes")), 30, "a leader")
+    busy = mesh.agent("node2", extra=("--gpus", "1"))
+    node3 = mesh.agent("node3")
+    others = [node1, node3]
+    wait_for(
+        lambda: all(
+            m.get("node2") is not None and m["node2"].state == "alive"
+            for m in (members(a) for a in others)
+        ),
+        30,
+        "node2 alive in everyone's gossip",
+    )
+    wid = mesh.submit(
+        mesh.write_recipe(
+            "experiments:\n  long:\n    hardware: {gpus: 1}\n"
+            "    command: ['echo $$ > \"$HM_ATTEMPT_DIR/pid\"; exec sleep 120']\n"
+        )
+    )
+    pid = task_pid(busy, f"{wid}.long.0")
+    incarnation = members(node1)["node2"].incarnation
+
+    # 1. A death far above node2's incarnation, and 200 ghosts (one at 2**64), in node3's name.
+    ghosts: list[list[Any]] = [
+        Update.alive(f"ghost{i}", f"10.9.{i // 250}.{i % 250}:7946", 0, 0, {"x": i}).to_wire()
+        for i in range(199)
+    ]
+    ghosts.append(["ghost-big", "10.9.9.9:7946", 0, 2**64])
+    forged = Message("gossip", "node3", node3.address).to_json()
+    forged["u"] = [
+        Update("node2", busy.address, DEAD, incarnation + 1000, source="node3").to_wire(),
+        *ghosts,
+    ]
+    for agent in others:
+        send(agent, forged)
+    for agent in others:
+        wait_for(lambda a=agent: "refused gossip" in a.log_tail(20000), 10, "the refusal logged")
+    time.sleep(QUIET_S)
+    for agent in others:
+        table = members(agent)  # answers: nothing beyond int64 got in
+        assert table["node2"].state == "alive", agent.name
+        assert "ghost-big" not in table and sum(n.startswith("ghost") for n in table) == 199
+        log = agent.log_tail(50000)
+        assert "node2 alive -> dead" not in log and "revoking its lease" not in log
+        nodes = api_nodes(agent)  # the dashboard still answers, node2 alive in it
+        node2 = next(n for n in nodes["nodes"] if n["name"] == "node2")
+        assert node2["gossip"] == "alive"
+
+    # 2. A death at node2's own incarnation is believed as news, but the leader
+    # probes node2 before acting: node2 answers, refutes, and keeps its lease.
+    leader = next(a for a in others if a.name == mesh_leader(mesh))
+    forged["u"] = [Update("node2", busy.address, DEAD, incarnation, source="node3").to_wire()]
+    send(leader, forged)
+    stood_down = "not acting on node2's death: our probe did not confirm it"
+    wait_for(
+        lambda: stood_down in leader.log_tail(20000),
+        15,
+        "the leader to probe node2 and stand down",
+    )
+    wait_for(
+        lambda: all(members(a)["node2"].state == "alive" for a in others),
+        15,
+        "node2 to refute the death everywhere",
+    )
+    time.sleep(QUIET_S)
+    assert "node2" in {n["name"] for n in mesh.hm_json("nodes")}  # still registered
+    for agent in (*others, busy):
+        assert "revoking its lease" not in agent.log_tail(50000)
+    assert not process_gone(pid)  # its task keeps running...
+    (task,) = mesh.hm_json("tasks", wid)
+    assert [(a["node"], a["state"]) for a in task["attempts"]] == [("node2", "running")]
+
+
+def mesh_leader(mesh: Mesh) -> str:
+    return str(next(n["name"] for n in mesh.hm_json("nodes") if n["leader"]))
