@@ -11,7 +11,9 @@
 - its scheduling loop (``agent/scheduler.py``) leads while it is the leader
   (``agent/leader/duty.py``) and claims tasks that fit (``agent/claims/claimer.py``);
   ``agent/tasks/attempts.py`` runs them and records each attempt with a fenced transaction;
-- gossip, chunk sharing, bursting, gangs and telemetry run beside it.
+- gossip, chunk sharing, bursting, gangs, telemetry and the leader's housekeeping
+  (retention, etcd compaction and defragmentation: ``agent/leader/housekeeping.py``) run
+  beside it.
 
 SIGTERM (or the Drain RPC, or a spot interruption notice) drains it: no new claims,
 running tasks are stopped with a grace period and handed back.
@@ -43,8 +45,10 @@ from hypermesh.agent.claims.unsure import UnsureClaims
 from hypermesh.agent.gang.duty import GangDuty
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.duty import Gossip
+from hypermesh.agent.leader.compaction import HousekeepingConfig
 from hypermesh.agent.leader.duty import LeaderDuty
 from hypermesh.agent.leader.election import Campaign
+from hypermesh.agent.leader.housekeeping import Housekeeping
 from hypermesh.agent.ops.health import Health
 from hypermesh.agent.ops.metrics import MetricsServer
 from hypermesh.agent.ops.telemetry import TaskRoot, Telemetry, detect_machine
@@ -61,9 +65,12 @@ from hypermesh.agent.tasks.lifeline import Lifeline
 from hypermesh.agent.tasks.logs import LogShipper
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import use_pidfd_child_watcher
+from hypermesh.agent.tasks.task_env import host_env
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable
+from hypermesh.exposure import warn_exposed
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise
+from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import NodeRecord, dumps
 from hypermesh.state.view import MeshView
@@ -133,6 +140,8 @@ class Agent:
         # Only the leader (and a node claiming a block) needs every batch of every block
         # applied; the rest wait in the view until asked for (``full_view``).
         self.view.defer_batches = True
+        # Settled blocks past this many tasks are kept as counts (hypermesh/state/folding.py).
+        self.view.fold_after = FOLD_AFTER_TASKS
         self.gpu_source = gpu_source(cfg.gpus, cfg.gpu_type)
         self.gpu_pool = GpuPool()
         devices = self.gpu_source.devices()
@@ -145,7 +154,10 @@ class Agent:
         self.last_renewal = time.monotonic()
         self.drain_grace: float | None = None
         self.written_revision = 0
-        self.base_env = dict(os.environ)
+        # A task gets the allow-listed part of the agent's environment, and what its
+        # recipe names (pass_env) from the rest: never the agent's credentials.
+        self.agent_env = dict(os.environ)
+        self.base_env = host_env(self.agent_env, cfg.task_env)
         self.stopping = asyncio.Event()
         self.lease_lost = asyncio.Event()
         self.mirror_ready = asyncio.Event()
@@ -167,6 +179,9 @@ class Agent:
         burst_cfg = BurstConfig.local() if cfg.preset == "local" else BurstConfig.lan()
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self.gangs = GangDuty(self)  # seats in gangs (experiments with nodes > 1)
+        # Retention, compaction and defragmentation; acts only while this agent leads.
+        self.housekeeping = Housekeeping(self, HousekeepingConfig.local()
+                                         if cfg.preset == "local" else HousekeepingConfig.lan())
         self.address = ""
         self.http_address = ""
         self.metrics_address = ""
@@ -185,6 +200,7 @@ class Agent:
         self.scheduler = Scheduler(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None  # --health-listen
         self.telemetry = Telemetry(self.work_dir, cfg.telemetry_period, cfg.telemetry_history)
         self.health: Health | None = None
         self.metrics: MetricsServer | None = None
@@ -252,14 +268,21 @@ class Agent:
         agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
         self.health = Health(self._server)
         host = self.cfg.listen.rpartition(":")[0]
-        port = self._server.add_insecure_port(self.cfg.listen)
+        warn_exposed(self.cfg)
+        if self.cfg.tls is not None:
+            port = self._server.add_secure_port(self.cfg.listen, self.cfg.tls.server_credentials())
+        else:
+            port = self._server.add_insecure_port(self.cfg.listen)
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
         if self.cfg.peer_sharing:
             self.mounts.agent_address = self.address
+            self.mounts.tls = self.cfg.tls
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
+        if self.cfg.health_listen is not None:
+            self._health_server = await self.health.serve_plaintext(self.cfg.health_listen)
         if self.cfg.metrics_listen is not None:
             self.metrics = MetricsServer(self)
             self.metrics_address = await self.metrics.start(self.cfg.metrics_listen)
@@ -284,6 +307,9 @@ class Agent:
                     self._on_batch,
                     reset=self.view.reset,
                     ready=self.mirror_ready,
+                    # Workflows and blocks before batches, so that those fold as they come.
+                    first=(self.ks.kind_prefix("wf"), self.ks.kind_prefix("block")),
+                    tidy=self.view.fold_settled,
                 ),
                 name="mirror",
             ),
@@ -291,6 +317,7 @@ class Agent:
             asyncio.create_task(self.campaign.run(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
             asyncio.create_task(self._run_burst(), name="burst"),
+            asyncio.create_task(self._run_housekeeping(), name="housekeeping"),
             asyncio.create_task(self.gangs.run(), name="gangs"),
             asyncio.create_task(self.telemetry.run(self._task_roots), name="telemetry"),
         ]
@@ -323,6 +350,8 @@ class Agent:
             if self.metrics is not None:
                 await self.metrics.close()
             await self._server.stop(grace=1.0)
+            if self._health_server is not None:
+                await self._health_server.stop(grace=None)
             self.telemetry.close()
             if self.locality is not None:
                 self.locality.close()
@@ -363,6 +392,10 @@ class Agent:
         await self.mirror_ready.wait()
         await self.burst.run()
 
+    async def _run_housekeeping(self) -> None:
+        await self.mirror_ready.wait()
+        await self.housekeeping.run()
+
     def _task_died(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or self.stopping.is_set():
             return
@@ -390,6 +423,7 @@ class Agent:
         return self.attempts.task_roots() + self.gangs.task_roots()
 
     def _on_batch(self, revision: int) -> None:
+        self.view.fold_settled()
         self.leader_duty.dirty = True
         self.view_changed.set()
         self.wakeup.set()

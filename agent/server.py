@@ -1,6 +1,8 @@
 """The agent's gRPC service: node status, attempt logs, drain, gossip, telemetry and chunks.
 
-Errors become gRPC status codes here and nowhere else.
+Errors become gRPC status codes here and nowhere else. Under mutual TLS any mesh
+member may call; gossip and chunk reads only agents (``agent/peer_auth.py``), and a
+gossip message only in its caller's certificate's name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import grpc
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.agent.gossip.link import serve_stream
 from hypermesh.agent.ops.telemetry import cpu_percent
+from hypermesh.agent.peer_auth import require_agent
 from hypermesh.agent.share.duty import PeerLost, stream_pieces
 from hypermesh.chunkfs.format import valid_chunk_id
 from hypermesh.state.keyspace import TaskRef
@@ -64,6 +67,11 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 
     def __init__(self, agent: ServedAgent) -> None:
         self.agent = agent
+
+    @property
+    def _tls(self) -> bool:
+        """Whether calls arrive over mutual TLS (and ``agent/peer_auth.py`` applies)."""
+        return self.agent.cfg.tls is not None
 
     async def GetNode(
         self, request: agent_pb2.GetNodeRequest, context: object
@@ -143,11 +151,12 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         return agent_pb2.DrainReply(released=count)
 
     async def Gossip(self, request: agent_pb2.GossipPacket, context: object) -> agent_pb2.GossipAck:
+        peer = await require_agent(context, self._tls)
         gossip = self.agent.gossip
         replies: list[bytes] = []
         if gossip is not None:
             try:
-                replies = gossip.receive(request.payload)
+                replies = gossip.receive(request.payload, peer)
             except (ValueError, KeyError, TypeError) as exc:
                 await context.abort(  # type: ignore[attr-defined]
                     grpc.StatusCode.INVALID_ARGUMENT, f"bad gossip message: {exc}"
@@ -157,7 +166,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def GossipStream(
         self, request_iterator: AsyncIterator[agent_pb2.GossipPacket], context: object
     ) -> AsyncIterator[agent_pb2.GossipAck]:
-        async for ack in serve_stream(request_iterator, self.agent.gossip.receive):
+        peer = await require_agent(context, self._tls)
+        async for ack in serve_stream(request_iterator, self.agent.gossip.receive, peer):
             yield ack
 
     async def GetMembers(
@@ -177,6 +187,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def ReadChunk(
         self, request: agent_pb2.ReadChunkRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.ChunkBytes]:
+        await require_agent(context, self._tls)
         try:
             data = await self.agent.share.read_local(request.chunk, request.offset, request.length)
         except ValueError as exc:
@@ -213,6 +224,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
     async def LocateChunks(
         self, request: agent_pb2.LocateChunksRequest, context: object
     ) -> agent_pb2.LocateChunksReply:
+        await require_agent(context, self._tls)
         peers = self.agent.share.peers
         return agent_pb2.LocateChunksReply(
             chunks=[

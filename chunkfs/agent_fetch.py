@@ -19,6 +19,8 @@ from collections.abc import Callable
 import grpc
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.channels import agent_channel
+from hypermesh.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,17 @@ peer asked; a cold run's wait for the node fetching it); this only guards a stuc
 
 class AgentPeerFetch:
     """``peer_fetch(chunk_id, offset, length) -> bytes | None`` asking the agent at
-    ``address``. Thread-safe (the reader calls it from its fetch threads)."""
+    ``address`` (mutual TLS with ``tls``: the agent lends its files to the mounts it
+    starts, in ``HYPERMESH_TLS_*``). Thread-safe (the reader calls it from its fetch threads)."""
 
-    def __init__(self, address: str, timeout_s: float = AGENT_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = AGENT_TIMEOUT_S, tls: TlsFiles | None = None
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = agent_channel(address, tls, aio=False)
         self._stub = agent_pb2_grpc.AgentStub(self._channel)
         self.room: Callable[[str, int], bool] | None = None
         """``room(chunk_id, length)``: whether the cache takes ``length`` more bytes of

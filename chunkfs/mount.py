@@ -61,6 +61,7 @@ from hypermesh.chunkfs.outputs import Outputs
 from hypermesh.chunkfs.store import open_store, retry_transient
 from hypermesh.errors import HypermeshError, UsageError
 from hypermesh.recipe.units import parse_duration, parse_size
+from hypermesh.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +498,12 @@ def mount(
     # a peer's trouble must leave the read time to reach the store within its deadline
     peer_fetch = None
     if agent:
-        peer_fetch = AgentPeerFetch(agent, min(AGENT_TIMEOUT_S, fetch.deadline_s / 2))
+        try:  # the files of the agent that started this mount, in HYPERMESH_TLS_*
+            tls = TlsFiles.from_options(None, None, None)
+        except UsageError as exc:
+            report(f"err 2 {exc}")
+            sys.exit(2)
+        peer_fetch = AgentPeerFetch(agent, min(AGENT_TIMEOUT_S, fetch.deadline_s / 2), tls=tls)
     try:
         serve(spec, mountpoint, store_url=store_url, cache_dir=cache_dir, cache_size=size,
               fetch=fetch, peer_fetch=peer_fetch, ready=report, push_pages=push_pages)

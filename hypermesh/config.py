@@ -9,18 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hypermesh.errors import UsageError
+from hypermesh.exposure import check_exposure
 from hypermesh.recipe.units import UnitError, parse_duration, parse_size
 from hypermesh.state.keyspace import NODE_NAME_RE
+
+if TYPE_CHECKING:
+    from hypermesh.tls import TlsFiles
 
 ENV_ETCD = "HYPERMESH_ETCD"
 ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
 DEFAULT_NAMESPACE = "default"
 SPOT_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
+TASK_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+"""``--task-env``: a variable name, or a prefix ending in ``*``."""
 
 # gRPC options of connections that carry only small messages (gossip, etcd, the
 # agent's server, which receives only requests). gRPC's BDP probe answers received
@@ -150,6 +158,29 @@ class AgentConfig:
     (and share cold reads with them) before the object store (``--peer-sharing``).
     Off: every miss goes to the store; the node still advertises what it holds."""
 
+    task_env: tuple[str, ...] = ()
+    """Names of the agent's environment variables every task gets besides the built-in
+    allow-list (``agent/tasks/task_env.py``: PATH, HOME, the locale...; ``--task-env``,
+    repeatable). A name ending in ``*`` is a prefix (``NCCL_*``). Wider: a site's settings
+    reach tasks without each recipe's ``pass_env``; every name added is a variable any
+    recipe's tasks, and their logs, can read, so never add a credential here."""
+
+    tls: TlsFiles | None = None
+    """The mesh CA and this agent's certificate and key (``--tls-ca/--tls-cert/--tls-key``
+    or ``HYPERMESH_TLS_*``; the certificate issued with ``hypermesh tls issue --agent``
+    for the node's name). With them every gRPC connection, served or opened, is mutual
+    TLS; None: plaintext, allowed only on loopback unless ``insecure``."""
+
+    health_listen: str | None = None
+    """HOST:PORT of a plaintext port serving only gRPC health (``--health-listen``), for
+    probes that cannot do mutual TLS (Kubernetes' ``grpc`` probes); None: health is
+    served on ``listen`` only. It reveals whether the agent serves, nothing else, so
+    it may listen beyond loopback without ``insecure``."""
+
+    insecure: bool = False
+    """``--insecure``: let plaintext gRPC, the dashboard and metrics listen beyond
+    loopback (``hypermesh/exposure.py``); the agent warns at every start."""
+
     def __post_init__(self) -> None:
         if not NODE_NAME_RE.fullmatch(self.name):
             raise UsageError(
@@ -182,10 +213,19 @@ class AgentConfig:
             _check_range("--locality-delay", self.locality_delay, 0, 600)
         _check_range("--pool-delay", self.pool_delay, 0, 600)
         _check_address("--listen", self.listen)
+        object.__setattr__(self, "task_env", tuple(self.task_env))
+        for name in self.task_env:
+            if not TASK_ENV_RE.fullmatch(name):
+                raise UsageError(f"--task-env {name!r}: expected a variable name "
+                                 "(letters, digits, '_') or a prefix ending in '*'")
         if self.metrics_listen is not None:
             _check_address("--metrics-listen", self.metrics_listen)
         if self.http_listen is not None:
             _check_address("--http-listen", self.http_listen)
+        if self.health_listen is not None:
+            _check_address("--health-listen", self.health_listen)
+        check_exposure(self.listen, self.tls is not None, self.insecure,
+                       self.metrics_listen, self.http_listen)
 
     @classmethod
     def lan(cls, **overrides: object) -> AgentConfig:

@@ -30,6 +30,13 @@ ENV_TLS_CA = "HYPERMESH_TLS_CA"
 ENV_TLS_CERT = "HYPERMESH_TLS_CERT"
 ENV_TLS_KEY = "HYPERMESH_TLS_KEY"
 
+AGENT_NAME = "agent.hypermesh"
+"""The DNS name every agent's certificate carries besides its node name
+(``hypermesh tls issue --agent``): clients connecting to an agent check the server's
+certificate for it, so any agent of the mesh is accepted as an agent and a CLI user's
+or mount's certificate is not; agents accept gossip and chunk traffic only from
+certificates that carry it."""
+
 CA_DAYS = 3650
 CERT_DAYS = 825  # what browsers and most tooling accept for a leaf
 NAME_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})")  # a node or user name
@@ -84,6 +91,11 @@ class TlsFiles:
         ca, cert, key = self.read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                             certificate_chain=cert)
+
+    def env(self) -> dict[str, str]:
+        """The ``HYPERMESH_TLS_*`` variables naming these files (for a child process)."""
+        return {ENV_TLS_CA: str(self.ca.absolute()), ENV_TLS_CERT: str(self.cert.absolute()),
+                ENV_TLS_KEY: str(self.key.absolute())}
 
     def name(self) -> str:
         """The mesh name this certificate was issued for (its first DNS name)."""
@@ -149,9 +161,13 @@ def init_ca(directory: Path, common_name: str = "hypermesh mesh CA") -> Path:
     return cert_path
 
 
-def issue(directory: Path, name: str, hosts: Sequence[str] = (), days: int = CERT_DAYS) -> Path:
+def issue(
+    directory: Path, name: str, hosts: Sequence[str] = (), days: int = CERT_DAYS,
+    *, agent: bool = False,
+) -> Path:
     """Issue NAME.pem / NAME-key.pem in ``directory``, signed by its CA, for ``name``
-    and ``hosts`` (host names or IP addresses), usable as server and as client."""
+    and ``hosts`` (host names or IP addresses), usable as server and as client. With
+    ``agent`` the certificate also names :data:`AGENT_NAME`: it is an agent's."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -165,6 +181,8 @@ def issue(directory: Path, name: str, hosts: Sequence[str] = (), days: int = CER
     if not 1 <= days <= 3650:
         raise UsageError(f"--days must be 1-3650, not {days}")
     alt_names: list[x509.GeneralName] = [x509.DNSName(name)]
+    if agent and name != AGENT_NAME:
+        alt_names.append(x509.DNSName(AGENT_NAME))
     for host in hosts:
         try:
             alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))

@@ -23,7 +23,7 @@ speed. Every process it starts is stopped before it returns.
 
     .venv/bin/python scripts/bench_dispatch.py [--tasks 2000] [--slots 4] [--agents 1]
         [--rounds 3] [--preset lan|local] [--command true] [--xargs-direct] [--no-fsync]
-        [--json]
+        [--tls] [--json]
 """
 
 from __future__ import annotations
@@ -169,14 +169,14 @@ def agent_span(rows: list[dict[str, Any]], tasks: int) -> float:
 
 def run_mesh_round(
     tasks: int, slots: int, fsync: bool, agents: int = 1, preset: str = "lan",
-    command: str = "true",
+    command: str = "true", tls: bool = False,
 ) -> MeshRound:
     with tempfile.TemporaryDirectory(prefix="hm-bench-dispatch-") as tmp:
         root = Path(tmp)
         recipe = root / "dispatch.yaml"
         recipe.write_text(recipe_text(tasks, command))
         mesh = LocalMesh(root / "mesh", agents=agents, slots=slots, fsync=fsync,
-                         agent_args=["--preset", preset])
+                         agent_args=["--preset", preset], tls=tls)
         with mesh:
             env = {**os.environ, **mesh.env()}
             _wait_for_leader(env)
@@ -313,6 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the baseline executes --command itself, once per line (xargs -L 1 true N, "
         "without bash -c); the agents must then execute it directly too",
     )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="the mesh runs mutual TLS on every gRPC connection, the CLI included "
+        "(a CA made in the mesh's directory); default plaintext on loopback",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name, low in (("tasks", 1), ("slots", 1), ("rounds", 1)):
@@ -332,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}", file=log)
     print(
         f"{args.tasks} tasks, {args.agents} agent(s) x {args.slots} slots, {args.rounds} rounds, "
-        f"preset {args.preset}, command {args.command!r}, baseline "
+        f"preset {args.preset}, TLS {'on' if args.tls else 'off'}, "
+        f"command {args.command!r}, baseline "
         f"{shlex.join(baseline)}, "
         f"etcd fsync {'on' if fsync else 'OFF (--unsafe-no-fsync)'}",
         file=log,
@@ -343,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(1, args.rounds + 1):
             m = run_mesh_round(
-                args.tasks, args.slots, fsync, args.agents, args.preset, args.command
+                args.tasks, args.slots, fsync, args.agents, args.preset, args.command,
+                args.tls,
             )
             mesh_rounds.append(m)
             print(
@@ -400,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds": args.rounds,
                     "fsync": fsync,
                     "preset": args.preset,
+                    "tls": args.tls,
                     "task_command": args.command,
                     "xargs_direct": args.xargs_direct,
                     "machine": machine(),

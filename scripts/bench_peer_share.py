@@ -36,9 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.channels import agent_channel
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
@@ -62,7 +61,7 @@ def read_all(path: Path) -> tuple[int, float]:
 
 
 def holders(agent: AgentProcess, chunks: list[str]) -> list[set[str]]:
-    with grpc.insecure_channel(agent.address) as channel:
+    with agent_channel(agent.address, None, aio=False) as channel:  # plaintext agents
         reply = agent_pb2_grpc.AgentStub(channel).LocateChunks(
             agent_pb2.LocateChunksRequest(chunks=chunks), timeout=5
         )

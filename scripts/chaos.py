@@ -9,7 +9,9 @@ all its processes, as if its machine vanished) and started again under the same
 name. Killing stops when the workflow is done or after ``--max-kills``. The
 verdict comes from ``hypermesh tasks --json``; exit 0 only if every task has
 exactly one successful attempt and the workflow succeeded within ``--deadline``.
-Everything runs on 127.0.0.1 and is stopped at the end.
+Everything runs on 127.0.0.1 and is stopped at the end. The work directory (etcd's data,
+each agent's work directory and log) is removed after a run that passed, and kept, with
+its path printed, after one that did not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +47,7 @@ def cli(env: dict[str, str], *args: str, timeout: float = 60) -> Any:
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(opts.seed)
     root = Path(tempfile.mkdtemp(prefix="hm-chaos-"))
+    ok = False
     mesh = LocalMesh(
         root,
         agents=opts.agents,
@@ -51,7 +55,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         fsync=False,
         agent_args=["--lease-ttl", str(opts.ttl)],
     )
-    mesh.start()
+    try:
+        mesh.start()  # stops what it started if it fails
+    except BaseException:
+        print(f"chaos: the mesh did not start; work directory kept at {root}", file=sys.stderr)
+        raise
     try:
         env = dict(os.environ, **mesh.env())
         recipe = root / "chaos.yaml"
@@ -109,6 +117,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         ]
         stuck = [t["id"] for t in tasks if t["state"] != "succeeded"]
         lost = sum(1 for t in tasks for a in t["attempts"] if a["reason"] == "node-lost")
+        ok = state == "succeeded" and once == opts.tasks and not doubled and not stuck
         return {
             "workflow": wid,
             "state": state,
@@ -121,10 +130,14 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "node_lost_attempts": lost,
             "kills": kills,
             "leader_kills": sum(k["leader"] for k in kills),
-            "ok": state == "succeeded" and once == opts.tasks and not doubled and not stuck,
+            "ok": ok,
         }
     finally:
         mesh.close()
+        if ok:
+            shutil.rmtree(root, ignore_errors=True)
+        else:  # the agents' logs and work directories, to see what went wrong
+            print(f"chaos: work directory kept at {root}", file=sys.stderr)
 
 
 def main() -> int:

@@ -4,13 +4,15 @@
     local_mesh.py up  [--agents N] [--slots S] [--dir .mesh] [--s3] [--data NAME=DIR ...]
     local_mesh.py run RECIPE [--agents N] [--slots S] [--s3] [--data NAME=DIR ...]
 
-``up`` runs until Ctrl-C and prints the environment to point the CLI at the mesh
-(``HYPERMESH_ETCD``, ``HYPERMESH_NAMESPACE``; with ``--s3`` also
-``HYPERMESH_STORE`` and the S3 client variables). ``run`` starts the mesh, runs
+``up`` runs until Ctrl-C (or SIGTERM) and prints the environment to point the CLI at the mesh
+(``HYPERMESH_ETCD``, ``HYPERMESH_NAMESPACE``, ``HYPERMESH_TLS_*`` naming the CLI's
+certificate; with ``--s3`` also ``HYPERMESH_STORE`` and the S3 client variables).
+Every gRPC connection is mutual TLS with a CA the mesh makes in ``DIR/tls``
+(``--no-tls``: plaintext on loopback). ``run`` starts the mesh, runs
 ``submit RECIPE --wait`` and stops. ``--s3`` starts a SeaweedFS S3 server as the
 mesh's object store (agents get ``--store``); ``--data NAME=DIR`` puts DIR there
 as data set NAME before anything runs (implies ``--s3``). Everything it started
-is stopped on exit.
+is stopped on exit, also on Ctrl-C or SIGTERM at any point.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def _start(opts: argparse.Namespace) -> LocalMesh:
     print(f"local mesh: starting etcd and {opts.agents} agent(s) under {root}", file=sys.stderr)
     s3 = opts.s3 or bool(opts.data)
     mesh = LocalMesh(
-        root, agents=opts.agents, slots=opts.slots, namespace=opts.namespace, s3=s3
+        root, agents=opts.agents, slots=opts.slots, namespace=opts.namespace, s3=s3,
+        tls=opts.tls,
     )
     mesh.start()
     for agent in mesh.agents:
@@ -71,17 +73,13 @@ def cmd_up(opts: argparse.Namespace) -> int:
         for key, value in mesh.env().items():
             print(f"export {key}={value}")
         sys.stdout.flush()
-        print("local mesh: up; Ctrl-C stops it", file=sys.stderr)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        try:
-            while not stop.is_set():
-                if not all(a.alive for a in mesh.agents):
-                    print("local mesh: an agent exited; stopping", file=sys.stderr)
-                    return 1
-                stop.wait(1)
-        except KeyboardInterrupt:
-            pass
+        print("local mesh: up; Ctrl-C or SIGTERM stops it", file=sys.stderr)
+        while True:
+            if not all(a.alive for a in mesh.agents):
+                print("local mesh: an agent exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(1)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (see _terminate), once the mesh is up
         return 0
     finally:
         mesh.close()
@@ -115,7 +113,16 @@ def cmd_run(opts: argparse.Namespace) -> int:
         mesh.close()
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM does what Ctrl-C does: everything started so far is stopped, whatever
+    the mesh was doing (starting, up, running a recipe). A second SIGTERM is ignored so
+    that it cannot cut the clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -137,13 +144,23 @@ def main() -> int:
             help="put DIR into the store as data set NAME first (repeatable; implies --s3)",
         )
         p.add_argument(
+            "--no-tls",
+            dest="tls",
+            action="store_false",
+            help="plaintext gRPC (default: mutual TLS with a CA made in DIR/tls)",
+        )
+        p.add_argument(
             "--keep",
             dest="fresh",
             action="store_false",
             help="keep the etcd data and work directories of a previous run",
         )
     opts = parser.parse_args()
-    return cmd_up(opts) if opts.command == "up" else cmd_run(opts)
+    try:
+        return cmd_up(opts) if opts.command == "up" else cmd_run(opts)
+    except KeyboardInterrupt:
+        print("local mesh: interrupted; everything it started is stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

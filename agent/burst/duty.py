@@ -325,21 +325,29 @@ class BurstDuty:
             if await self._add_to(self.ks.usage(pool), current, lambda d, x=delta: _sum(d, x)):
                 del self._pool_delta[pool]
         for wid, delta_wf in list(self._wf_delta.items()):
+            if wid not in view.workflows:  # deleted: its usage went with it
+                del self._wf_delta[wid]
+                continue
             current = view.workflow_usage.get(wid)
 
             def merged(d: dict[str, Any], x: dict[str, dict[str, float]] = delta_wf) -> Any:
                 return {p: _sum(d.get(p, {}), x.get(p, {})) for p in set(d) | set(x)}
 
-            if await self._add_to(self.ks.workflow_usage(wid), current, merged):
+            # Only while the workflow is stored: a deletion racing this write wins.
+            if await self._add_to(self.ks.workflow_usage(wid), current, merged,
+                                  self.ks.workflow(wid)):
                 del self._wf_delta[wid]
 
     async def _add_to(self, key: str, current: tuple[dict[str, Any], int] | None,
-                      merge: Any) -> bool:
-        """Write ``merge(current)`` if the key is still at the revision we saw."""
+                      merge: Any, owner: str | None = None) -> bool:
+        """Write ``merge(current)`` if the key is still at the revision we saw (and the
+        ``owner`` key exists)."""
         etcd = self.agent.etcd
         data, revision = current if current is not None else ({}, 0)
-        compare = etcd.mod_revision_is(key, revision) if revision else etcd.absent(key)
-        result = await etcd.txn([compare], [etcd.op_put(key, dumps(merge(data)))])
+        compare = [etcd.mod_revision_is(key, revision) if revision else etcd.absent(key)]
+        if owner is not None:
+            compare.append(etcd.present(owner))
+        result = await etcd.txn(compare, [etcd.op_put(key, dumps(merge(data)))])
         return result.succeeded
 
 

@@ -46,13 +46,23 @@ GONE_STATES = frozenset({"shutting-down", "terminated"})
 AGENT_PORT = 7070
 
 
-def user_data(spec: NodeSpec, ctx: Context, etcd: str, setup: str = "") -> str:
-    """The boot script of one node: every value shell-quoted."""
+def user_data(
+    spec: NodeSpec, ctx: Context, etcd: str, setup: str = "", tls_dir: str = ""
+) -> str:
+    """The boot script of one node: every value shell-quoted. ``tls_dir`` (the pool's
+    option): where on the instance the ``setup`` line left ``ca.pem``, ``agent.pem`` and
+    ``agent-key.pem`` (an ``--agent`` certificate for the node's name); without it the
+    agent serves plaintext on its routable address (``--insecure``, warned about)."""
     args = [
         "hypermesh", "agent", "start", "--etcd", etcd, "--namespace", ctx.namespace,
         "--name", spec.name, "--slots", str(spec.pool.slots),
         "--work-dir", "/var/lib/hypermesh", *spec.agent_args(),
     ]
+    if tls_dir:
+        security = [f"--tls-{kind}={tls_dir.rstrip('/')}/{file}" for kind, file in
+                    (("ca", "ca.pem"), ("cert", "agent.pem"), ("key", "agent-key.pem"))]
+    else:
+        security = ["--insecure"]
     if ctx.store:
         args += ["--store", ctx.store]
     lines = [
@@ -60,7 +70,7 @@ def user_data(spec: NodeSpec, ctx: Context, etcd: str, setup: str = "") -> str:
         "set -euo pipefail",
         *([setup] if setup else []),
         "IP=$(hostname -I | cut -d' ' -f1)",
-        f'exec {shlex.join(args)} --listen "$IP:{AGENT_PORT}"',
+        f'exec {shlex.join(args)} --listen "$IP:{AGENT_PORT}" {shlex.join(security)}',
     ]
     return "\n".join(lines) + "\n"
 
@@ -91,7 +101,8 @@ class Ec2Provisioner:
         params: dict[str, Any] = {
             "MinCount": 1,
             "MaxCount": 1,
-            "UserData": user_data(spec, self.ctx, self.etcd, opts.get("setup", "")),
+            "UserData": user_data(spec, self.ctx, self.etcd, opts.get("setup", ""),
+                                  opts.get("tls_dir", "")),
             "TagSpecifications": [
                 {"ResourceType": "instance", "Tags": self.tags(spec)},
                 {"ResourceType": "volume", "Tags": self.tags(spec)},

@@ -12,8 +12,8 @@ from collections import Counter
 from statistics import fmean
 
 from hypermesh.agent.burst.policy import Backlog, NodeState, Starting
-from hypermesh.agent.claims.choose import fits
 from hypermesh.recipe.recipe import Experiment
+from hypermesh.state.fit import fits
 from hypermesh.state.pools import Pool
 from hypermesh.state.records import TERMINAL, NodeRecord
 from hypermesh.state.view import MeshView

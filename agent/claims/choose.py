@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hypermesh.agent.claims.placement import Placement
 from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.tasks.gpu_pool import GpuInfo, GpuPool
-from hypermesh.recipe.recipe import Experiment, Hardware
+from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import TERMINAL, NodeRecord
 from hypermesh.state.txns import ClaimPlan
@@ -37,27 +37,6 @@ class LocalLoad:
     # GPUs: a task is claimed only if ``GpuPool.book`` places it, so none overcommits.
     gpu_pool: GpuPool | None = None
     gpu_devices: list[GpuInfo] = field(default_factory=list)
-
-
-def gpu_type_matches(wanted: str | None, have: str) -> bool:
-    """``k80`` matches ``Tesla K80``: a case-insensitive substring test."""
-    return not wanted or wanted.lower() in have.lower()
-
-
-def fits(hw: Hardware, node: NodeRecord) -> bool:
-    """Whether a task with ``hw`` could ever run on ``node`` (ignoring current load)."""
-    if hw.gpus > node.gpus or (hw.gpu and not node.gpus):
-        return False
-    if hw.gpu and not gpu_type_matches(hw.gpu, node.gpu_type):
-        return False
-    if hw.cpus > node.cpus:
-        return False
-    return not (hw.memory and node.memory and hw.memory > node.memory)
-
-
-def allowed_on(exp: Experiment, node: NodeRecord) -> bool:
-    """Whether ``exp``'s tasks may ever run on ``node``: hardware and pool fit."""
-    return fits(exp.hardware, node) and (not exp.pools or node.pool in exp.pools)
 
 
 def choose_claims(

@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hypermesh.agent.claims.choose import allowed_on
 from hypermesh.agent.claims.placement import Inputs, Placement, prune_since
 from hypermesh.agent.claims.wake_timer import WakeTimer
 from hypermesh.agent.share.peers import HoldersView
@@ -44,6 +43,7 @@ from hypermesh.chunkfs.store import ObjectStore, open_store
 from hypermesh.errors import HypermeshError
 from hypermesh.recipe.inputs import render_input
 from hypermesh.recipe.recipe import Experiment
+from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import TERMINAL
 from hypermesh.state.view import MeshView

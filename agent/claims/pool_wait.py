@@ -14,10 +14,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from hypermesh.agent.claims.choose import allowed_on
 from hypermesh.agent.claims.placement import prune_since
 from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.claims.wake_timer import WakeTimer
+from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import NodeRecord
 from hypermesh.state.view import MeshView

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from hypermesh.agent.claims.choose import fits
+from hypermesh.state.fit import fits
 from hypermesh.state.gangs import MemberEnd, Rendezvous, combine, live_nodes_for
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import TERMINAL, NodeRecord

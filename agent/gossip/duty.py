@@ -31,6 +31,7 @@ from hypermesh.agent.gossip.link import PeerLink
 from hypermesh.agent.gossip.suspicion import health_scaled, probe_deadline
 from hypermesh.agent.gossip.swim import Message, Outgoing, Swim
 from hypermesh.agent.gossip.trust import MALFORMED
+from hypermesh.channels import agent_channel
 from hypermesh.chunkfs.holdings import SOURCES, merge
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 
@@ -203,7 +204,7 @@ class Gossip:
         """The channel to a peer for small messages: gossip, telemetry requests."""
         channel = self.channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = agent_channel(address, self.agent.cfg.tls, CHANNEL_OPTIONS)
             self.channels[address] = channel
         return channel
 
@@ -212,7 +213,7 @@ class Gossip:
         control may grow its windows, which the gossip channel does not let it."""
         channel = self.data_channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=DATA_CHANNEL_OPTIONS)
+            channel = agent_channel(address, self.agent.cfg.tls, DATA_CHANNEL_OPTIONS)
             self.data_channels[address] = channel
         return channel
 

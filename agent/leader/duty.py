@@ -18,14 +18,14 @@ import asyncio
 import logging
 import math
 import time
+from itertools import groupby
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.agent.claims.wake_timer import WakeTimer
 from hypermesh.agent.leader import policy as leader
-from hypermesh.errors import HypermeshError
-from hypermesh.recipe.sampling import expand, expand_more, experiment_seed
+from hypermesh.errors import HypermeshError, LeaseLost, TransientError
+from hypermesh.recipe.sampling import expand_more, experiment_seed
 from hypermesh.state import search
-from hypermesh.state.blocks import block_size
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import TERMINAL
 from hypermesh.state.search import is_adaptive
@@ -38,7 +38,6 @@ from hypermesh.state.txns import (
 
 if TYPE_CHECKING:
     from hypermesh.config import AgentConfig
-    from hypermesh.recipe.recipe import Experiment
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace
     from hypermesh.state.view import MeshView
@@ -86,48 +85,95 @@ class LeaderDuty:
         self.agent.wake()
 
     async def lead(self) -> None:
-        """One round: carry out ``leader.plan``'s actions, then publish progress."""
+        """One round: carry out ``leader.plan``'s actions, then publish progress.
+
+        A failure stays in its workflow: when carrying out a workflow's actions raises
+        (anything but an unreachable etcd or a lost lease, which end the round), that
+        workflow is failed with the error as its reason and the others go on."""
+        for wid, actions in groupby(leader.plan(self.agent.view), key=lambda x: x.workflow):
+            action: leader.Action | None = None
+            try:
+                for action in actions:
+                    await self._carry_out(action)
+            except (TransientError, LeaseLost):
+                raise
+            except Exception as exc:
+                assert action is not None
+                reason = leader.failure_reason(_what(action), exc)
+                log.warning("%s: workflow %s: %s", self.agent.cfg.name, wid, reason,
+                            exc_info=exc)
+                await self._fail(wid, action.state_revision, reason)
+        await self._publish_progress()
+
+    async def _carry_out(self, action: leader.Action) -> None:
+        a = self.agent
+        if action.workflow not in a.view.workflows:
+            return  # deleted since the plan (hypermesh/state/cleanup.py): nothing to write
+        if isinstance(action, leader.Expand | leader.Extend):
+            await self._expand(action)
+        elif isinstance(action, leader.Suggest):
+            await self._suggest(action)
+        elif action.state == "failed" and action.reason is not None:
+            await self._fail(action.workflow, action.state_revision, action.reason,
+                             action.expected)
+        else:
+            summary = a.view.workflow_summary(action.workflow) | {"state": action.state}
+            if await set_workflow_state(
+                a.etcd, a.ks, action.workflow, action.expected, action.state,
+                action.state_revision, summary,
+            ):
+                self._published[action.workflow] = (summary, time.monotonic())
+                a.decide(f"workflow {action.workflow} is {action.state}")
+
+    async def _expand(self, action: leader.Expand | leader.Extend) -> None:
+        """Write a page of an experiment's tasks: its first (``Expand``) or its next
+        (``Extend``). The parameters are drawn in a thread: a page must not hold the
+        loop, and drawing a page costs the page alone (``expand_more``)."""
         a = self.agent
         view = a.view
-        for action in leader.plan(view):
-            if isinstance(action, leader.Expand | leader.Extend):
-                wf = view.workflows[action.workflow]
-                exp = wf.recipe.experiment(action.experiment)
-                seed = experiment_seed(wf.seed, exp)
-                start = action.start if isinstance(action, leader.Extend) else 0
-                count = None
-                if is_adaptive(exp):  # only the budget: trials come one by one (Suggest)
-                    params: list[dict[str, Any]] = []
-                    count = start + (action.count if isinstance(action, leader.Extend)
-                                     else view.target_count(wf.id, exp))
-                elif isinstance(action, leader.Extend):
-                    params = expand_more(exp, seed, action.start, action.count)
-                else:
-                    params = expand(exp, seed)
-                if await expand_experiment(
-                    a.etcd, a.ks, wf.id, exp.name, params, action.state_revision, start,
-                    count, self._block_size(wf.id, exp, start + len(params)),
-                    view.revision,
-                ):
-                    what = "extended" if start else "expanded"
-                    added = len(params) if count is None else count - start
-                    a.decide(f"{what} {wf.id}/{exp.name} by {added} tasks")
-            elif isinstance(action, leader.Suggest):
-                await self._suggest(action)
-            else:
-                summary = view.workflow_summary(action.workflow) | {"state": action.state}
-                if await set_workflow_state(
-                    a.etcd,
-                    a.ks,
-                    action.workflow,
-                    action.expected,
-                    action.state,
-                    action.state_revision,
-                    summary,
-                ):
-                    self._published[action.workflow] = (summary, time.monotonic())
-                    a.decide(f"workflow {action.workflow} is {action.state}")
-        await self._publish_progress()
+        wf = view.workflows[action.workflow]
+        exp = wf.recipe.experiment(action.experiment)
+        seed = experiment_seed(wf.seed, exp)
+        start = action.start if isinstance(action, leader.Extend) else 0
+        count = None
+        params: list[dict[str, Any]] = []
+        if is_adaptive(exp):  # only the budget: trials come one by one (Suggest)
+            count = start + action.count
+        else:
+            params = await asyncio.to_thread(expand_more, exp, seed, start, action.count)
+        if await expand_experiment(
+            a.etcd, a.ks, wf.id, exp.name, params, action.state_revision, start,
+            count, leader.block_of(view, wf.id, exp), view.revision,
+        ):
+            what = "extended" if start else "expanded"
+            added = len(params) if count is None else count - start
+            a.decide(f"{what} {wf.id}/{exp.name} by {added} tasks")
+
+    async def _fail(self, wid: str, state_revision: int | None, reason: str,
+                    expected: str | None = None) -> None:
+        """Fail workflow ``wid`` with ``reason``, fenced like every decision on the state
+        key as the plan saw it (``state_revision``): a workflow changed since is planned
+        again at the next round instead."""
+        a = self.agent
+        expected = expected or a.view.workflow_state(wid)
+        if expected in TERMINAL:
+            return
+        summary = self._summary(wid) | {"state": "failed", "reason": reason}
+        if await set_workflow_state(a.etcd, a.ks, wid, expected, "failed", state_revision,
+                                    summary, reason):
+            self._published[wid] = (summary, time.monotonic())
+            a.decide(f"workflow {wid} is failed: {reason}")
+
+    def _summary(self, wid: str) -> dict[str, Any]:
+        """The workflow's summary, or the least of one when even that raises (a
+        workflow whose recipe cannot be planned, or whose record cannot be read)."""
+        view = self.agent.view
+        try:
+            return view.workflow_summary(wid)
+        except Exception:
+            wf = view.workflows.get(wid)
+            return {"id": wid, "name": wf.name if wf else "", "state": view.workflow_state(wid),
+                    "submitted_at": wf.submitted_at if wf else 0.0, "experiments": {}}
 
     async def _publish_progress(self) -> None:
         """Publish the summary of each running workflow that changed (``progress/``),
@@ -145,7 +191,7 @@ class LeaderDuty:
             if now - at < PROGRESS_S:  # not even looked at: at most once a period
                 due = min(due, at + PROGRESS_S)
                 continue
-            summary = view.workflow_summary(wid)
+            summary = self._summary(wid)
             if summary == last:
                 continue
             try:
@@ -159,20 +205,6 @@ class LeaderDuty:
                 self._published[wid] = (summary, now)
         if due < math.inf:
             self._progress_timer.at(due)
-
-    def _block_size(self, wid: str, exp: Experiment, count: int) -> int:
-        """Tasks per block of an expansion: the size of the experiment's blocks written
-        so far (by this leader or one before it), else one chosen for its size."""
-        view = self.agent.view
-        written = view.blocks.get((wid, exp.name))
-        if written:
-            return written[min(written)]
-        if any(ref.workflow == wid and ref.experiment == exp.name for ref in view.tasks):
-            return 1  # written task by task already
-        if view.workers(wid, exp) is not None:
-            return 1  # capped live before its expansion (hypermesh scale): slot keys
-        mesh_slots = sum(n.slots for n in view.nodes.values())
-        return block_size(exp, count, mesh_slots)
 
     async def _suggest(self, action: leader.Suggest) -> None:
         """Create the next trials of an adaptive search (Optuna runs in a thread)."""
@@ -188,3 +220,12 @@ class LeaderDuty:
                 return  # another leader got there first; the watch brings its tasks
             trials.append(search.Trial(index, params, "running"))
             a.decide(f"suggested {ref}: {params}")
+
+
+def _what(action: leader.Action) -> str:
+    """What carrying out ``action`` does, for a failure's reason."""
+    if isinstance(action, leader.Expand | leader.Extend):
+        return f"expanding experiment {action.experiment!r}"
+    if isinstance(action, leader.Suggest):
+        return f"suggesting trials of experiment {action.experiment!r}"
+    return f"recording state {action.state!r}"

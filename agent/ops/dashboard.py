@@ -9,8 +9,9 @@ that ``hypermesh logs`` uses. The page polls them once a second while it is open
 the server does no work of its own when nobody looks.
 
 - ``GET /api/workflows``: ``status --json`` of every workflow, newest first.
-- ``GET /api/workflows/WID``: its status, its DAG (experiments with ``after`` and
-  live changes) and ``tasks --json``.
+- ``GET /api/workflows/WID``: its status, its DAG (experiments with ``after``, live
+  changes and the names of the variables their tasks get: ``env`` values show as ``***``)
+  and ``tasks --json``.
 - ``GET /api/nodes``: ``nodes --all --json`` as this agent sees the mesh, plus each
   node's dashboard address and its latest telemetry with per-task usage (asked of
   every node at once, each for at most ``TELEMETRY_WAIT_S``; one that does not
@@ -31,6 +32,7 @@ from aiohttp import web
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry, message_json
 from hypermesh.agent.tasks.logs import stream_log
 from hypermesh.errors import HypermeshError, NotFound
+from hypermesh.recipe.redact import shown_task_env
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.node_rows import gossip_table, node_rows
 from hypermesh.state.pools import parse_pools, usage_cost
@@ -117,12 +119,13 @@ class Dashboard:
                     "cancelled": control.cancelled,
                     "extra_samples": control.extra_samples,
                 }
+                | shown_task_env(exp)  # env values never leave the agent: recipe/redact.py
             )
         return web.json_response(
             {
                 "status": self._summaries([wid])[0],
                 "dag": dag,
-                "tasks": [view.task_json(ref) for ref in view.task_refs(wid)],
+                "tasks": view.task_rows(wid),
             }
         )
 
@@ -170,7 +173,7 @@ class Dashboard:
         size = 0
         try:
             async for data in stream_log(
-                a.etcd, a.ks, ref, n, False, a.cfg.store, notes.append, offset
+                a.etcd, a.ks, ref, n, False, a.cfg.store, notes.append, offset, a.cfg.tls
             ):
                 chunks.append(data)
                 size += len(data)

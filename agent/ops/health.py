@@ -59,6 +59,18 @@ class Health:
         self.serving: bool | None = None
         self._pending: set[asyncio.Task[None]] = set()
 
+    async def serve_plaintext(self, listen: str) -> grpc.aio.Server:
+        """Serve this health service alone, without TLS, at ``listen`` (``--health-listen``):
+        for probes that cannot show a certificate (Kubernetes' ``grpc`` probes) when the
+        agent's own port is mutual TLS. It tells whether the agent serves, nothing more.
+        Returns the started server (the caller stops it)."""
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        if server.add_insecure_port(listen) == 0:
+            raise OSError(f"cannot listen on {listen} (--health-listen)")
+        await server.start()
+        return server
+
     async def start(self) -> None:
         """Liveness SERVING, the rest NOT_SERVING until the first :meth:`refresh`."""
         await self.servicer.set(LIVENESS_SERVICE, SERVING)

@@ -43,6 +43,7 @@ from hypermesh.agent.ops.health import serving
 from hypermesh.agent.ops.usage import NodeSample, TaskUsage
 from hypermesh.chunkfs.mount import STATS_FILE
 from hypermesh.errors import HypermeshError
+from hypermesh.state.folding import AttemptKey
 from hypermesh.state.records import Attempt
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ def snapshot(agent: MeteredAgent) -> Snapshot:
             for state in ("pending", "running", "succeeded", "failed", "cancelled"):
                 snap.tasks_by_state[state] += exp[state]
     count_attempts(snap, view.attempts.values())
+    count_folded_attempts(snap, view.folded_attempts())
     members = agent.gossip.members()
     snap.gossip_members.update(m.state for m in members.members)
     snap.gossip_local_health = members.local_health
@@ -148,6 +150,20 @@ def count_attempts(snap: Snapshot, tasks: Iterable[Mapping[int, Attempt]]) -> No
             before = attempts.get(n - 1)
             if before is not None and before.reason in LOST_REASONS:
                 snap.node_recoveries += 1
+
+
+def count_folded_attempts(snap: Snapshot, tally: Mapping[AttemptKey, int]) -> None:
+    """Add the attempts of folded blocks (``hypermesh/state/folding.py``), kept as counts
+    by (node, state, reason, the reason of the attempt before), as ``count_attempts``
+    counts them: a counter must not fall when the records behind it are folded."""
+    for (node, state, reason, before), n in tally.items():
+        if reason in LOST_REASONS:
+            snap.mesh_lost_attempts[reason] += n
+        if node != snap.node:
+            continue
+        snap.node_attempts[(state, reason)] += n
+        if before in LOST_REASONS:
+            snap.node_recoveries += n
 
 
 def read_mount_stats(mountpoints: dict[str, Path]) -> dict[str, dict[str, Any]]:

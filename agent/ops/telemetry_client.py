@@ -16,6 +16,8 @@ import grpc
 from google.protobuf.message import Message
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.channels import agent_channel
+from hypermesh.tls import TlsFiles
 
 RPC_TIMEOUT_S = 3.0  # the CLI's wait per node; the dashboard waits less (it polls)
 
@@ -53,25 +55,26 @@ async def _ask(channel: grpc.aio.Channel, history: int, timeout: float) -> dict[
 
 async def fetch_one(
     address: str, history: int = 0, timeout: float = RPC_TIMEOUT_S,
-    channel_for: ChannelFor | None = None,
+    channel_for: ChannelFor | None = None, tls: TlsFiles | None = None,
 ) -> dict[str, Any] | None:
     """One node's ``GetTelemetry`` as a dict, or None when it does not answer in
     ``timeout`` seconds. ``channel_for`` lends a long-lived channel (the agent's
-    gossip channels); without it a channel is opened and closed for this call."""
+    gossip channels); without it a channel is opened and closed for this call, with
+    ``tls`` (None: plaintext)."""
     if channel_for is not None:
         return await _ask(channel_for(address), history, timeout)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with agent_channel(address, tls) as channel:
         return await _ask(channel, history, timeout)
 
 
 async def fetch_telemetry(
     addresses: dict[str, str], history: int = 0, timeout: float = RPC_TIMEOUT_S,
-    channel_for: ChannelFor | None = None,
+    channel_for: ChannelFor | None = None, tls: TlsFiles | None = None,
 ) -> dict[str, dict[str, Any] | None]:
     """``GetTelemetry`` of every node (name -> address) at once; None where a node
     does not answer within ``timeout``."""
     names = sorted(addresses)
     replies = await asyncio.gather(
-        *(fetch_one(addresses[n], history, timeout, channel_for) for n in names)
+        *(fetch_one(addresses[n], history, timeout, channel_for, tls) for n in names)
     )
     return dict(zip(names, replies, strict=True))

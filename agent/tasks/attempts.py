@@ -2,7 +2,8 @@
 
 Each attempt runs in a scratch folder ``attempts/WID/EXPERIMENT.INDEX.N`` (from the
 pool of empty folders), writes its output beside it (``.log``), sees the task's
-environment with its parameters, its data sets mounted (``HM_DATA_*``), a checkpoint
+environment (the recipe's and an allow-list of the agent's, never the agent's credentials:
+``task_env.py``) with its parameters, its data sets mounted (``HM_DATA_*``), a checkpoint
 folder and exactly the GPUs booked for it, and runs in its image when the experiment
 names one. Its log is shipped to the store and its metrics watched while it runs.
 
@@ -32,6 +33,7 @@ from hypermesh.agent.tasks.gpu_pool import visible_devices
 from hypermesh.agent.tasks.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import AttemptProcess, Outcome
+from hypermesh.agent.tasks.task_env import task_environment
 from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.recipe.templating import param_env, render
 from hypermesh.state.records import Attempt
@@ -62,7 +64,8 @@ class AttemptsHost(Protocol):
     view: MeshView
     etcd: Etcd
     ks: Keyspace
-    base_env: dict[str, str]
+    base_env: dict[str, str]  # the allow-listed part of agent_env (task_env.host_env)
+    agent_env: dict[str, str]  # whence pass_env takes what it names
     work_dir: Path
     dirs: DirPool
     mounts: Mounts
@@ -94,6 +97,7 @@ class Attempts:
         self.etcd = agent.etcd
         self.ks = agent.ks
         self.base_env = agent.base_env
+        self._agent_env = agent.agent_env
         self.work_dir = agent.work_dir
         self._work_dir = str(agent.work_dir)
         self.dirs = agent.dirs
@@ -179,15 +183,17 @@ class Attempts:
     def environment(
         self, ref: TaskRef, attempt: int, params: dict[str, Any], folder: str
     ) -> dict[str, str]:
-        """The attempt's environment: the agent's, the recipe's and the experiment's
-        (shared by the experiment's tasks), its parameters and the ``HM_*`` variables."""
+        """The attempt's environment: the agent's allow-listed variables, those the
+        experiment passes by name (``pass_env``), the recipe's and the experiment's ``env``
+        (all shared by the experiment's tasks: ``task_env.task_environment``), its
+        parameters and the ``HM_*`` variables."""
         wf = self.view.workflows[ref.workflow]
         shared = self._task_env.get((ref.workflow, ref.experiment))
         if shared is None or shared[0] is not wf.recipe:
             exp = wf.recipe.experiment(ref.experiment)
-            base = dict(self.base_env)
-            base.update({k: str(v) for k, v in dict(wf.recipe.env).items()})
-            base.update({k: str(v) for k, v in dict(exp.env).items()})
+            recipe_env = {k: str(v) for k, v in dict(wf.recipe.env).items()}
+            recipe_env.update({k: str(v) for k, v in dict(exp.env).items()})
+            base = task_environment(self.base_env, self._agent_env, exp.pass_env, recipe_env)
             if len(self._task_env) >= 256:
                 self._task_env.clear()
             shared = self._task_env[(ref.workflow, ref.experiment)] = (wf.recipe, base)

@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from hypermesh.agent.claims.choose import allowed_on
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
+from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import BlockRef, TaskRef
 from hypermesh.state.records import COUNTED_REASONS, TERMINAL, NodeRecord
 from hypermesh.state.view import MeshView

@@ -4,7 +4,8 @@ image) with docker or podman, or with the process runtime where neither works.
 ``container_argv`` builds the command line (pure, tested as construction): the task's
 working folder, attempt folder, checkpoint folder and data mounts are bind-mounted at the
 same paths (data read-only), the task's environment is passed by name (``-e NAME``: values
-never appear on a command line), the user is the agent's, networking and IPC are the
+never appear on a command line; the runtime's client runs with the task's environment, not
+the agent's), the user is the agent's, networking and IPC are the
 host's (rendezvous ports, shared-memory data loaders), and the booked GPUs are passed
 through (``--gpus device=...`` for docker, CDI ``nvidia.com/gpu=N`` devices for podman),
 renumbered from 0 inside, as ``CUDA_VISIBLE_DEVICES`` then says. ``find_runtime`` asks
@@ -86,8 +87,10 @@ def current_user() -> str:
 
 
 def task_env_names(env: Mapping[str, str], base: Mapping[str, str]) -> list[str]:
-    """The names a container gets: what the agent set or changed for the task (not the
-    agent's own environment, whose PATH and HOME belong to the host)."""
+    """The names a container gets: the task's variables except those ``base`` (the
+    allow-listed part of the agent's environment, ``task_env.host_env``) gave it unchanged,
+    whose PATH and HOME belong to the host. What the recipe passes by name (``pass_env``)
+    goes in; the values come from the client's environment, which is the task's."""
     return sorted(k for k, v in env.items() if base.get(k) != v)
 
 

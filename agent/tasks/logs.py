@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.channels import agent_channel
 from hypermesh.errors import HypermeshError, NoSuchObject, NotFound
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace, TaskRef
@@ -35,6 +36,7 @@ from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
     from hypermesh.chunkfs.store import ObjectStore
+    from hypermesh.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,12 @@ async def locate_attempt(
         view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
     attempts = view.attempts.get(ref, {})
     if not attempts:
-        raise NotFound(f"task {ref} has not run yet (no attempts)")
+        wid, exp = ref.workflow, ref.experiment
+        for key in (ks.workflow(wid), ks.expanded(wid, exp), ks.experiment_control(wid, exp)):
+            found = await etcd.get(key)
+            if found is not None:
+                view.apply(key, found[0], 0, found[1])
+        raise NotFound(view.no_such_task(ref) or f"task {ref} has not run yet (no attempts)")
     n = attempt or max(attempts)
     if n not in attempts:
         raise NotFound(f"task {ref} has no attempt {n} (attempts: {sorted(attempts)})")
@@ -153,19 +160,21 @@ async def stream_log(
     store_url: str | None = None,
     note: Callable[[str], None] = lambda message: None,
     offset: int = 0,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[bytes]:
     """An attempt's log (``attempt`` 0: the latest), from its node or the stored copy.
 
     With ``follow``, keeps streaming from the node until the attempt ends; if the
     node dies meanwhile, the rest comes from the stored copy. ``note`` hears why
-    the stored copy was used. ``offset`` skips that many bytes of the log. Raises
+    the stored copy was used. ``offset`` skips that many bytes of the log; ``tls``:
+    the files a connection to the node shows (None: plaintext). Raises
     ``NotFound`` when neither has the log.
     """
     n, node, address = await locate_attempt(etcd, ks, ref, attempt)
     sent = offset
     why = f"node {node}, which ran {ref} attempt {n}, is gone"
     if address is not None:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with agent_channel(address, tls) as channel:
             stub = agent_pb2_grpc.AgentStub(channel)
             request = agent_pb2.ReadLogsRequest(
                 task_id=ref.id, attempt=n, follow=follow, offset=offset

@@ -27,6 +27,7 @@ from pathlib import Path
 from hypermesh.chunkfs.holdings import Holding, read_reads, scan, scan_root
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.errors import HypermeshError, UsageError
+from hypermesh.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Mounts:
         self.cache_size = cache_size
         self.deadline = deadline
         self.agent_address = ""  # where mounts ask for chunks from peers; set once serving
+        self.tls: TlsFiles | None = None  # the agent's TLS files, lent to its mounts
         self._mounts: dict[str, asyncio.Task[MountProcess]] = {}
 
     async def ensure(self, spec: str) -> Path:
@@ -92,6 +94,7 @@ class Mounts:
             cache_size=self.cache_size,
             deadline=self.deadline,
             agent=self.agent_address or None,
+            env=dict(os.environ, **self.tls.env()) if self.tls is not None else None,
         )
         log.info("mounting data set %s at %s", spec, mountpoint)
         return mount.start()

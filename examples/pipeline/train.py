@@ -42,3 +42,4 @@ accuracy = sum((predict(x, y) > 0.5) == bool(label) for x, y, label in valid) / 
 args.out.mkdir(parents=True, exist_ok=True)
 (args.out / "model.json").write_text(json.dumps({"w": w, "val_acc": accuracy, "lr": args.lr}))
 print(f"lr={args.lr:.4f} l2={args.l2} epochs={args.epochs} val_acc={accuracy:.4f}")
+print(f"HM_METRIC {json.dumps({'val_acc': accuracy})}")  # what `hypermesh best` ranks by

@@ -134,6 +134,28 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Whether mounts fetch chunks from peers (and share cold reads) before the store.",
 )
 @click.option(
+    "--task-env",
+    "task_env",
+    multiple=True,
+    metavar="NAME",
+    help="An agent environment variable every task gets besides the built-in allow-list "
+    "(PATH, HOME, locale...); NAME* for a prefix (repeatable). Never a credential: "
+    "recipes ask for those with pass_env.",
+)
+@click.option(
+    "--health-listen",
+    default=None,
+    metavar="HOST:PORT",
+    help="Also serve gRPC health alone, without TLS, here: for Kubernetes grpc probes "
+    "when --tls-* makes the agent's port mutual TLS.",
+)
+@click.option(
+    "--insecure",
+    is_flag=True,
+    help="Allow plaintext listeners beyond loopback: gRPC without --tls-*, the dashboard, "
+    "metrics. Warned about at every start.",
+)
+@click.option(
     "--preset",
     type=click.Choice(["lan", "local"]),
     default="lan",
@@ -166,6 +188,9 @@ def agent_start(
     locality_delay: str,
     pool_delay: float | None,
     peer_sharing: str,
+    task_env: tuple[str, ...],
+    insecure: bool,
+    health_listen: str | None,
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -186,6 +211,10 @@ def agent_start(
         "store": store or os.environ.get("HYPERMESH_STORE") or None,
         "cache_size": cache_size,
         "metrics_listen": None if metrics_listen == "off" else metrics_listen,
+        "task_env": task_env,
+        "tls": mesh.tls,
+        "insecure": insecure,
+        "health_listen": health_listen,
     }
     if telemetry_period is not None:
         overrides["telemetry_period"] = telemetry_period

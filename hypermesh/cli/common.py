@@ -2,11 +2,12 @@
 
 - ``Mesh`` and ``mesh_options``: the ``--etcd`` and ``--namespace`` options every command
   takes (also accepted before the command name), resolved against the environment;
+- ``override_option``: ``--set EXP.FIELD=VALUE``, for the commands that load a recipe;
 - ``run_async``: runs an async command and turns hypermesh errors into a message on
   stderr and the exit code (2 bad input, 1 a failure at run time);
 - ``load_view``: the records of a namespace, or of one workflow, read from etcd;
-- ``err``, ``print_json`` and ``human_size``: a line on stderr, an object on stdout,
-  a byte count as people read it;
+- ``err``, ``print_json``, ``human_size`` and ``aligned``: a line on stderr, an object on
+  stdout, a byte count as people read it, a table whose columns fit their content;
 - ``dump_profile``: the developer's profile (``HYPERMESH_PROFILE_DIR``), written by
   ``run_async`` and by a command that leaves through ``os._exit``.
 
@@ -19,17 +20,20 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Container, Coroutine
 from functools import wraps
 from typing import Any, TypeVar
 
 import click
 
+from hypermesh.cli.tls_options import TLS_PARAMS, tls_options
 from hypermesh.config import ENV_ETCD, ENV_NAMESPACE, default_etcd, default_namespace
 from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
 from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace
 from hypermesh.state.view import MeshView
+from hypermesh.tls import TlsFiles
 
 T = TypeVar("T")
 
@@ -51,6 +55,20 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def aligned(rows: list[list[str]], right: Container[int] = ()) -> list[str]:
+    """``rows`` of cells (the first one the header) as lines whose columns are as wide as
+    their widest cell, two spaces apart; the columns numbered in ``right`` (counts) are
+    right-aligned. Large numbers never run into their neighbours."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
+    return [
+        "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]
 
 
 _profile: Any = None
@@ -102,9 +120,11 @@ def run_async(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
 
 
 class Mesh:
-    """Where the CLI finds the mesh: etcd endpoints and namespace."""
+    """Where the CLI finds the mesh: etcd endpoints and namespace, and the TLS files
+    (``--tls-*``; None: plaintext) its connections to agents use."""
 
-    def __init__(self, etcd: str, namespace: str) -> None:
+    def __init__(self, etcd: str, namespace: str, tls: TlsFiles | None = None) -> None:
+        self.tls = tls
         self.endpoints = parse_endpoints(etcd)
         try:
             self.ks = Keyspace(namespace)
@@ -115,8 +135,19 @@ class Mesh:
         return Etcd(self.endpoints)
 
 
+override_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="EXP.FIELD=VALUE",
+    help="Override a recipe field (repeatable), e.g. mnist.samples=10.",
+)
+"""``--set``: the ``overrides`` ``load_recipe`` applies (``submit``, ``validate``)."""
+
+
 def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--etcd`` and ``--namespace`` on every command (also accepted before it)."""
+    """``--etcd``, ``--namespace`` and ``--tls-*`` on every command (the first two
+    also accepted before it)."""
     fn = click.option(
         "--namespace",
         "namespace",
@@ -132,13 +163,16 @@ def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         help=f"etcd endpoints [env {ENV_ETCD}; default http://127.0.0.1:2379].",
     )(fn)
 
+    fn = tls_options(fn)
+
     @wraps(fn)
     def wrapper(*args: Any, etcd: str | None, namespace: str | None, **kwargs: Any) -> Any:
         root = click.get_current_context().find_root().params
         etcd = etcd or root.get("etcd") or default_etcd()
         namespace = namespace or root.get("namespace") or default_namespace()
         try:
-            mesh = Mesh(etcd, namespace)
+            tls = TlsFiles.from_options(*(kwargs.pop(k) for k in TLS_PARAMS))
+            mesh = Mesh(etcd, namespace, tls)
         except UsageError as exc:
             err(f"error: {exc}")
             sys.exit(2)
@@ -147,23 +181,66 @@ def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-async def load_view(etcd: Etcd, ks: Keyspace, wid: str | None = None) -> MeshView:
-    """A view of the whole namespace, or of one workflow (raises NotFound)."""
+BLOCKS_PER_READ = 64
+"""Blocks ``load_view`` reads at a time, each time with their batches: what it holds of
+a large workflow before folding it (64 blocks: at most 16,384 tasks)."""
+
+
+async def load_view(
+    etcd: Etcd, ks: Keyspace, wid: str | None = None, *, fold: bool = False
+) -> MeshView:
+    """A view of the whole namespace, or of one workflow (raises NotFound), read in pages
+    at one revision.
+
+    With ``fold`` (``status``), settled blocks past ``FOLD_AFTER_TASKS`` are kept as
+    counts (``hypermesh/state/folding.py``): enough for every summary, in memory
+    bounded whatever the workflow's size. For that, blocks are read a page at a time,
+    each page after the batches of its blocks (``bdone`` keys sort as ``block`` keys
+    do), so that a settled block folds as it arrives, without per-task records."""
     view = MeshView(ks)
+    if fold:
+        view.fold_after = FOLD_AFTER_TASKS
+        view.defer_batches = True  # a batch waits for its block, then folds with it
+    blocks, batches = ks.kind_prefix("block", wid), ks.kind_prefix("bdone", wid)
+    done: tuple[str, ...] = (blocks, batches)  # read first, skipped in the rest
     if wid is None:
-        prefixes = [ks.root]
+        done += (ks.kind_prefix("wf"),)  # what folding needs to know of an experiment
+        rest = [ks.kind_prefix("wf"), ks.root]
     else:
-        prefixes = [p for p in ks.workflow_prefixes(wid) if p.endswith("/")]
-        prefixes.append(ks.nodes)  # how many nodes could run a waiting gang
-    for prefix in prefixes:
-        kvs, _ = await etcd.get_prefix(prefix)
-        for kv in kvs:
-            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
-    if wid is not None:
         for key in (ks.workflow(wid), ks.workflow_state(wid)):
             found = await etcd.get(key)
             if found is not None:
                 view.apply(key, found[0], 0, found[1])
         if wid not in view.workflows:
             raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
+        rest = [p for p in ks.workflow_prefixes(wid) if p.endswith("/") and p not in done]
+        rest.append(ks.nodes)  # how many nodes could run a waiting gang
+
+    def apply(kvs: list[Any], skip: tuple[str, ...] = ()) -> None:
+        for kv in kvs:
+            key = kv.key.decode()
+            if not (skip and key.startswith(skip)):
+                view.apply(key, kv.value, kv.create_revision, kv.mod_revision)
+        view.fold_settled()
+
+    at = 0  # every range read at the revision of the first page
+    if wid is None:  # workflows first
+        async for kvs, read_at in etcd.pages(rest.pop(0), at):
+            at = read_at
+            apply(kvs)
+    cursor = batches
+    async for kvs, read_at in etcd.pages(blocks, at, most=BLOCKS_PER_READ):
+        at = read_at
+        if kvs:  # first the batches of these blocks: up to the last one's, "S/..." < "S0"
+            upto = batches + kvs[-1].key.decode()[len(blocks):] + "0"
+            async for more, _ in etcd.pages(batches, at, start=cursor, end=upto):
+                apply(more)
+            cursor = upto
+        apply(kvs)  # a settled block folds as it arrives, its batches in hand
+    async for more, _ in etcd.pages(batches, at, start=cursor):  # batches of no block
+        apply(more)
+    for prefix in rest:  # page by page, each applied and dropped
+        async for kvs, _ in etcd.pages(prefix, at):
+            apply(kvs, done)
+    view.set_defer_batches(False)
     return view

@@ -295,4 +295,7 @@ def mount(args: tuple[str, ...]) -> None:
     # Imported on use: the FUSE and S3 stack would add 0.2 s to every other command.
     from hypermesh.chunkfs.mount import mount as mount_command
 
-    mount_command.main(args=list(args), prog_name="hypermesh mount")
+    # A command of its own (its own context), so it takes -h only when told, as the others do.
+    mount_command.main(
+        args=list(args), prog_name="hypermesh mount", help_option_names=["-h", "--help"]
+    )

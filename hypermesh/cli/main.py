@@ -10,13 +10,15 @@ one module per concern:
 
 - ``agent.py``: ``agent start``, the agent on this machine;
 - ``workflows.py``: ``submit``, ``status``, ``tasks``, ``logs``, ``cancel``;
+- ``validate.py``: ``validate``, recipes checked (and their tasks counted) without submitting;
 - ``ops.py``: ``retry``, ``scale``, ``extend``, which change a running workflow;
 - ``ml.py``: ``best``, a workflow's best trials;
 - ``nodes.py`` and ``top.py``: the live nodes, and what each uses;
 - ``burst.py``: ``pool`` and ``events``, the pools and the leader's burst decisions;
 - ``data.py``: ``data`` (data sets in an object store) and ``mount``;
 - ``settings.py``: ``settings``, the mesh-wide settings (task cap, retention);
-- ``tls.py``: ``tls init`` and ``tls issue``, the mesh's CA and certificates.
+- ``tls.py``: ``tls init`` and ``tls issue``, the mesh's CA and certificates;
+- ``cleanup.py``: ``delete``, finished workflows and all their keys.
 
 What they share (the mesh options, running a command, exit codes, printing) is in
 ``common.py``. The command modules import ``common.py``, never this module.
@@ -30,6 +32,7 @@ import click
 
 from hypermesh.cli.agent import agent
 from hypermesh.cli.burst import events, pool
+from hypermesh.cli.cleanup import delete
 from hypermesh.cli.data import data, mount
 from hypermesh.cli.ml import best
 from hypermesh.cli.nodes import nodes
@@ -37,6 +40,7 @@ from hypermesh.cli.ops import OPS_COMMANDS
 from hypermesh.cli.settings import settings
 from hypermesh.cli.tls import tls
 from hypermesh.cli.top import top
+from hypermesh.cli.validate import validate
 from hypermesh.cli.workflows import cancel, logs, status, submit, tasks
 
 
@@ -54,9 +58,10 @@ def main(etcd: str | None, namespace: str | None, verbose: int) -> None:
 # `hypermesh --help` lists the commands in name order, whatever the order here.
 for _command in (
     agent, submit, status, tasks, nodes, logs, cancel, best, data, pool, events, mount, top,
-    settings, tls, *OPS_COMMANDS,
+    settings, tls, validate, *OPS_COMMANDS,
 ):
     main.add_command(_command)
+main.add_command(delete)
 
 if __name__ == "__main__":
     main()

@@ -1,14 +1,17 @@
-"""``hypermesh best``: the best trials of a workflow by its experiments' objectives; and
-the ``best`` entry ``status`` adds to an experiment that declares an objective."""
+"""``hypermesh best``: the best trials of a workflow by its experiments' objectives (or by
+a metric named with ``--metric``); and the ``best`` entry ``status`` adds to an experiment
+that declares an objective."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
 
 from hypermesh.cli.common import Mesh, load_view, mesh_options, print_json, run_async
 from hypermesh.errors import UsageError
+from hypermesh.recipe.ml import GOALS, Objective
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.search import ranked, trials_of
 from hypermesh.state.view import MeshView
@@ -53,19 +56,37 @@ def print_best_line(name: str, e: dict[str, Any]) -> None:
         click.echo(f"    best {b['metric']}={b['value']:.6g}  {b['task']}  {params}")
 
 
-def best_command(view: MeshView, wid: str, experiment: str | None, n: int, as_json: bool) -> None:
-    wf = view.workflows[wid]
-    if experiment is not None:
-        exps = [wf.recipe.experiment(experiment)]
-        if exps[0].objective is None:
-            raise UsageError(
-                f"experiment {experiment!r} has no objective; declare one in the recipe: "
-                "objective: {metric: NAME, goal: minimize|maximize}"
-            )
+def _no_objective(view: MeshView, wid: str, experiment: str | None) -> UsageError:
+    """Why ``best`` cannot rank without ``--metric``, and the two ways out: the metrics
+    the tasks reported, or an objective in the recipe."""
+    what = f"experiment {experiment!r}" if experiment else f"workflow {wid}"
+    has = "has no objective" if experiment else "has no experiment with an objective"
+    reported = sorted({k for ref in view.task_refs(wid, experiment)
+                       for k in view.task_metrics(ref)})
+    if reported:
+        seen = f"its tasks reported: {', '.join(reported)}"
     else:
-        exps = [e for e in wf.recipe.experiments if e.objective is not None]
+        seen = ('its tasks reported no metrics yet; a task reports one with a line '
+                'HM_METRIC {"NAME": VALUE}')
+    return UsageError(
+        f"{what} {has}: rank by a metric with --metric NAME [--goal maximize] ({seen}), "
+        "or declare one in the recipe: objective: {metric: NAME, goal: minimize|maximize}"
+    )
+
+
+def best_command(
+    view: MeshView, wid: str, experiment: str | None, n: int, as_json: bool,
+    by: Objective | None = None,
+) -> None:
+    """Print the best trials; ``by``: rank by this metric instead of the objectives."""
+    wf = view.workflows[wid]
+    chosen = [wf.recipe.experiment(experiment)] if experiment else list(wf.recipe.experiments)
+    if by is not None:
+        exps = [replace(e, objective=by) for e in chosen]
+    else:
+        exps = [e for e in chosen if e.objective is not None]
         if not exps:
-            raise UsageError(f"workflow {wid} has no experiment with an objective")
+            raise _no_objective(view, wid, experiment)
     rows = [row for exp in exps for row in best_rows(view, wid, exp, n)]
     if as_json:
         print_json(rows)
@@ -83,13 +104,23 @@ def best_command(view: MeshView, wid: str, experiment: str | None, n: int, as_js
               "an objective].")
 @click.option("-n", "count", type=click.IntRange(min=1), default=5, show_default=True,
               help="How many trials per experiment.")
+@click.option("--metric", default=None, metavar="NAME",
+              help="Rank by this metric the tasks reported [default: each experiment's "
+              "objective].")
+@click.option("--goal", type=click.Choice(GOALS), default=None,
+              help="With --metric: which way is better [default: minimize].")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
 async def best(
-    mesh: Mesh, workflow: str, experiment: str | None, count: int, as_json: bool
+    mesh: Mesh, workflow: str, experiment: str | None, count: int, metric: str | None,
+    goal: str | None, as_json: bool,
 ) -> None:
-    """Print the best trials of a workflow by its experiments' objectives."""
+    """Print the best trials of a workflow by its experiments' objectives, or by a metric
+    the tasks reported (--metric)."""
+    if goal is not None and metric is None:
+        raise UsageError("--goal needs --metric NAME")
+    by = Objective(metric, goal or "minimize") if metric else None  # type: ignore[arg-type]
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    best_command(view, workflow, experiment, count, as_json)
+    best_command(view, workflow, experiment, count, as_json, by)

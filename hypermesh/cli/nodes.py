@@ -15,17 +15,20 @@ import click
 import grpc
 
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry
+from hypermesh.channels import agent_channel
+from hypermesh.cli.cleanup import note_quota, quota_warning_of
 from hypermesh.cli.common import Mesh, mesh_options, print_json, run_async
 from hypermesh.errors import NotFound
 from hypermesh.state.view import MeshView
+from hypermesh.tls import TlsFiles
 
 
-async def gossip_view(address: str) -> dict[str, dict[str, Any]]:
+async def gossip_view(address: str, tls: TlsFiles | None = None) -> dict[str, dict[str, Any]]:
     """The gossip member table as the agent at ``address`` sees it ({} if it does not answer)."""
     from hypermesh._proto import agent_pb2, agent_pb2_grpc
     from hypermesh.state.node_rows import gossip_table
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with agent_channel(address, tls) as channel:
         try:
             reply = await agent_pb2_grpc.AgentStub(channel).GetMembers(
                 agent_pb2.GetMembersRequest(), timeout=3
@@ -48,6 +51,10 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
 
     Gossip columns (state, incarnation, load) are as one agent sees them: the
     leader, or the node named by --via.
+
+    HITS C/P/S % is where the node's data mounts got the blocks they read, in whole
+    percent: its own chunk cache (C), a peer's cache (P), the object store (S);
+    - before any read.
     """
     from hypermesh.state.node_rows import node_rows
 
@@ -58,16 +65,20 @@ async def nodes(mesh: Mesh, as_json: bool, via: str | None, show_all: bool) -> N
             kvs, _ = await etcd.get_prefix(prefix)
             for kv in kvs:
                 view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+        near_quota = await quota_warning_of(etcd)
     leader = view.leader()
     asked = via or leader or (min(view.nodes) if view.nodes else None)
     if via and via not in view.nodes:
         raise NotFound(f"no live node {via!r} in namespace {ks.namespace!r}")
-    gossip = await gossip_view(view.nodes[asked].address) if asked else {}
-    telemetry = await fetch_telemetry({n.name: n.address for n in view.nodes.values()})
+    gossip = await gossip_view(view.nodes[asked].address, mesh.tls) if asked else {}
+    telemetry = await fetch_telemetry(
+        {n.name: n.address for n in view.nodes.values()}, tls=mesh.tls
+    )
     rows = node_rows(view, gossip, asked, show_all)
     for row in rows:
         sample = telemetry.get(row["name"]) if row["address"] else None
         row["telemetry"] = (sample or {}).get("latest")
+    note_quota(near_quota, rows, as_json)
     if as_json:
         print_json(rows)
         return

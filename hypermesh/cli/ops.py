@@ -59,7 +59,7 @@ async def retry(mesh: Mesh, workflow: str, as_json: bool) -> None:
 @mesh_options
 @run_async
 async def scale(mesh: Mesh, workflow: str, experiment: str, workers: str, as_json: bool) -> None:
-    """Change a running experiment's ``workers`` cap."""
+    """Change a running experiment's workers cap (its most tasks running at once)."""
     from hypermesh.state.live import scale_experiment
 
     cap = _parse_workers(workers)

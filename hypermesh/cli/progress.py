@@ -40,6 +40,7 @@ class ProgressDisplay:
                 f"{name} {e['succeeded'] + e['failed'] + e['cancelled']}/{e['total']} {e['state']}"
                 + (f" ({e['running']} running)" if e["running"] else "")
                 + (f" ({e['failed']} failed)" if e["failed"] else "")
+                + (f" (waiting: {e['waiting']})" if e.get("waiting") else "")
                 for name, e in exps.items()
             )
             if line != self.last_line:
@@ -73,7 +74,7 @@ class ProgressDisplay:
             done = e["succeeded"] + e["failed"] + e["cancelled"]
             detail = f"{e['state']}, {e['running']} running" + (
                 f", {e['failed']} failed" if e["failed"] else ""
-            )
+            ) + (f", waiting: {e['waiting']}" if e.get("waiting") else "")
             if name not in self.bars:
                 self.bars[name] = self.progress.add_task(name, total=e["total"], detail=detail)
             self.progress.update(self.bars[name], completed=done, total=e["total"], detail=detail)

@@ -87,7 +87,9 @@ async def top(mesh: Mesh, as_json: bool, only: str | None, history: int) -> None
         if only not in nodes:
             raise NotFound(f"no live node {only!r} in namespace {mesh.ks.namespace!r}")
         nodes = {only: nodes[only]}
-    telemetry = await fetch_telemetry({n: r.address for n, r in nodes.items()}, history)
+    telemetry = await fetch_telemetry(
+        {n: r.address for n, r in nodes.items()}, history, tls=mesh.tls
+    )
     rows = [
         {"name": name, "address": nodes[name].address, "telemetry": telemetry[name]}
         for name in sorted(nodes)

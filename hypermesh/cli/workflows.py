@@ -20,10 +20,22 @@ from typing import Any
 import click
 
 from hypermesh.cli.burst import unknown_pools, workflow_costs
-from hypermesh.cli.common import Mesh, err, load_view, mesh_options, print_json, run_async
+from hypermesh.cli.cleanup import note_quota, quota_warning_of
+from hypermesh.cli.common import (
+    Mesh,
+    aligned,
+    err,
+    load_view,
+    mesh_options,
+    override_option,
+    print_json,
+    run_async,
+)
 from hypermesh.cli.ml import add_best, print_best_line
-from hypermesh.errors import UsageError
+from hypermesh.errors import NotFound, UsageError
+from hypermesh.recipe.recipe import Recipe
 from hypermesh.state.etcd import Etcd
+from hypermesh.state.fit import unmet_needs
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import TERMINAL, WorkflowRecord
 from hypermesh.state.view import MeshView
@@ -32,13 +44,7 @@ from hypermesh.state.view import MeshView
 @click.command()
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--name", default=None, help="Workflow name [default: recipe's name or file stem].")
-@click.option(
-    "--set",
-    "overrides",
-    multiple=True,
-    metavar="EXP.FIELD=VALUE",
-    help="Override a recipe field (repeatable), e.g. mnist.samples=10.",
-)
+@override_option
 @click.option("--seed", type=int, default=None, help="Seed for parameter sampling.")
 @click.option("--wait", is_flag=True, help="Show progress; exit 0 if all tasks succeed, else 1.")
 @click.option(
@@ -79,7 +85,7 @@ async def submit(
         source=str(recipe),
     )
     async with mesh.connect() as etcd:
-        for warning in await unknown_pools(etcd, mesh.ks, parsed):
+        for warning in await _submit_warnings(etcd, mesh.ks, parsed):
             err(f"warning: {warning}")
         await submit_workflow(etcd, mesh.ks, wf)
         err(f"submitted {wf.id}: {len(parsed.experiments)} experiment(s), seed {seed}")
@@ -89,6 +95,22 @@ async def submit(
         state = await _follow(etcd, mesh.ks, wf.id)
     _submitted(wf, state, as_json)
     sys.exit(0 if state == "succeeded" else 1)
+
+
+async def _submit_warnings(etcd: Etcd, ks: Keyspace, recipe: Recipe) -> list[str]:
+    """What ``submit`` warns of (the workflow is submitted all the same: nodes may join,
+    a pool's bursting may start them): pools nobody declared or is in, and experiments
+    that no live node may run, with the need none meets."""
+    warnings = await unknown_pools(etcd, ks, recipe)
+    view = MeshView(ks)
+    for kv in (await etcd.get_prefix(ks.nodes))[0]:
+        view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    for exp in recipe.experiments:
+        said = f"experiment {exp.name!r}:"
+        reason = unmet_needs(exp, view.nodes.values())
+        if reason is not None and not any(w.startswith(said) for w in warnings):
+            warnings.append(f"{said} {reason}; its tasks wait until such a node joins")
+    return warnings
 
 
 def _submitted(wf: WorkflowRecord, state: str, as_json: bool) -> None:
@@ -128,13 +150,13 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
         while True:
             await changed.wait()
             changed.clear()
-            if wid not in view.workflows:
-                continue
+            if wid not in view.workflows:  # it was there when following began
+                raise NotFound(f"workflow {wid} was deleted (hypermesh delete, or retention)")
             summary = _followed_summary(view, wid)
             final = view.progress.get(wid, {}).get("state")
             if summary["state"] in TERMINAL and summary["state"] != final:
                 # Ended without the leader's final summary: summarize the records once.
-                summary = (await load_view(etcd, ks, wid)).workflow_summary(wid)
+                summary = (await load_view(etcd, ks, wid, fold=True)).workflow_summary(wid)
             if display is not None:
                 display.update(summary)
             elif summary != last:
@@ -180,19 +202,21 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
         if not workflow:
             raise UsageError("status --watch needs a WORKFLOW")
         async with mesh.connect() as etcd:
-            await load_view(etcd, mesh.ks, workflow)  # NotFound for a wrong id
+            await load_view(etcd, mesh.ks, workflow, fold=True)  # NotFound for a wrong id
             state = await _follow(etcd, mesh.ks, workflow, as_json)
         sys.exit(0 if state == "succeeded" else 1)
     async with mesh.connect() as etcd:
-        view = await load_view(etcd, mesh.ks, workflow)
+        view = await load_view(etcd, mesh.ks, workflow, fold=True)
         ids = (
             [workflow]
             if workflow
             else sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at)
         )
         costs = await workflow_costs(etcd, mesh.ks, ids)
+        near_quota = await quota_warning_of(etcd)
     summaries = [view.workflow_summary(w) | {"cost": costs[w]} for w in ids]
     add_best(view, summaries)
+    note_quota(near_quota, summaries, as_json)
     if as_json:
         print_json(summaries[0] if workflow else summaries)
         return
@@ -200,15 +224,18 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
         click.echo("no workflows")
     for s in summaries:
         click.echo(f"{s['id']}  {s['name']}  {s['state']}")
-        click.echo(
-            f"  {'EXPERIMENT':<20}{'STATE':<11}{'TOTAL':>6}{'PEND':>6}{'RUN':>6}"
-            f"{'OK':>6}{'FAIL':>6}{'CANC':>6}"
+        if "reason" in s:  # the leader failed it itself: its planning raised
+            click.echo(f"  reason: {s['reason']}")
+        counts = ("total", "pending", "running", "succeeded", "failed", "cancelled")
+        header, *lines = aligned(
+            [["EXPERIMENT", "STATE", "TOTAL", "PEND", "RUN", "OK", "FAIL", "CANC"]]
+            + [[name, e["state"], *(str(e[k]) for k in counts)]
+               for name, e in s["experiments"].items()],
+            right=range(2, 8),
         )
-        for name, e in s["experiments"].items():
-            click.echo(
-                f"  {name:<20}{e['state']:<11}{e['total']:>6}{e['pending']:>6}"
-                f"{e['running']:>6}{e['succeeded']:>6}{e['failed']:>6}{e['cancelled']:>6}"
-            )
+        click.echo(f"  {header}")
+        for line, (name, e) in zip(lines, s["experiments"].items(), strict=True):
+            click.echo(f"  {line}")
             print_best_line(name, e)
             if "waiting" in e:
                 click.echo(f"    {e['waiting']}")
@@ -231,18 +258,28 @@ async def status(mesh: Mesh, workflow: str | None, as_json: bool, watch: bool) -
     type=click.Choice(["pending", "running", "succeeded", "failed", "cancelled"]),
     help="Only tasks in this state.",
 )
+@click.option("--limit", type=click.IntRange(min=0), default=0, metavar="N",
+              help="List at most N tasks, the first in id order (0: all) [default: 0].")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
 async def tasks(
-    mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None, as_json: bool
+    mesh: Mesh, workflow: str, experiment: str | None, state_filter: str | None, limit: int,
+    as_json: bool,
 ) -> None:
-    """List a workflow's tasks with their parameters and attempts."""
+    """List a workflow's tasks with their parameters and attempts.
+
+    A pending task that cannot start says why on the line below it (no live node has
+    gpu k80, ...).
+    """
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    rows = [view.task_json(ref) for ref in view.task_refs(workflow, experiment)]
+    rows = view.task_rows(workflow, experiment)
     if state_filter:
         rows = [r for r in rows if r["state"] == state_filter]
+    if limit and len(rows) > limit:
+        err(f"note: {len(rows) - limit} more task(s) not listed (--limit {limit})")
+        rows = rows[:limit]
     if as_json:
         print_json(rows)
         return
@@ -251,8 +288,10 @@ async def tasks(
         params = " ".join(f"{k}={v}" for k, v in r["params"].items())
         click.echo(
             f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
-            f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}"
+            f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}".rstrip()
         )
+        if "waiting" in r:
+            click.echo(f"  {r['waiting']}")
 
 
 @click.command()
@@ -285,7 +324,8 @@ async def logs(
         raise UsageError(str(exc)) from exc
     async with mesh.connect() as etcd:
         n = (await locate_attempt(etcd, mesh.ks, ref, attempt))[0]
-        chunks = stream_log(etcd, mesh.ks, ref, n, follow, store, lambda m: err(f"note: {m}"))
+        chunks = stream_log(etcd, mesh.ks, ref, n, follow, store, lambda m: err(f"note: {m}"),
+                            tls=mesh.tls)
         if not as_json:
             async for data in chunks:
                 sys.stdout.buffer.write(data)

@@ -98,7 +98,10 @@ class AgentProcess:
                 raise RuntimeError(
                     f"agent {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
-            return address_file.exists()
+            try:  # written whole, ending in a newline, once the agent is registered
+                return address_file.read_text().endswith("\n")
+            except FileNotFoundError:
+                return False
 
         try:
             wait_for(ready, timeout, f"agent {self.name} to start")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from hypermesh.local.processes import free_port, stop_process, wait_for
@@ -44,13 +45,16 @@ class EtcdServer:
         fsync: bool = True,
         name: str = "hm",
         initial_cluster: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
+        """``extra_args``: more etcd flags, e.g. ``["--quota-backend-bytes", "8388608"]``."""
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
         self.fsync = fsync
         self.name = name
         self.initial_cluster = initial_cluster
+        self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -85,6 +89,7 @@ class EtcdServer:
         ]
         if not self.fsync:
             args.append("--unsafe-no-fsync")
+        args += self.extra_args
         with open(self.data_dir / "etcd.log", "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hypermesh.local.agents import AgentProcess, mesh_agents, stop_all
 from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.pki import CLI_USER, LocalPki
 from hypermesh.local.processes import unmount_under
 from hypermesh.local.s3server import S3Server
 
@@ -33,6 +34,7 @@ class LocalMesh:
         fsync: bool = True,
         agent_args: Sequence[str] = (),
         s3: bool = False,
+        tls: bool = False,
     ) -> None:
         self.root = Path(root)
         self.namespace = namespace
@@ -46,6 +48,9 @@ class LocalMesh:
         if s3:
             self.s3 = S3Server(self.root / "s3")
         self.store_url: str | None = None
+        # With tls, a mesh CA in ROOT/tls (hypermesh/local/pki.py): agents serve mutual
+        # TLS with their own certificates, and ``env()`` gives the CLI its own.
+        self.pki: LocalPki | None = LocalPki(self.root / "tls") if tls else None
 
     def start(self) -> LocalMesh:
         try:
@@ -70,18 +75,27 @@ class LocalMesh:
             self.namespace,
             self.root / name,
             slots=slots or self.slots,
-            extra=[*self.agent_args, *extra],
+            extra=[*self.agent_args, *self._tls_args(name), *extra],
             env=dict(os.environ, **self.env()) if self.s3 is not None else None,
         )
         self.agents.append(agent)
         agent.start()
         return agent
 
+    def _tls_args(self, name: str) -> list[str]:
+        if self.pki is None:
+            return []
+        tls = self.pki.member(name, agent=True)
+        return ["--tls-ca", str(tls.ca), "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+
     def env(self) -> dict[str, str]:
-        """What points the CLI (and agents) at this mesh, its store included."""
+        """What points the CLI (and agents) at this mesh, its store and (with tls) the
+        CLI's certificate included."""
         env = {"HYPERMESH_ETCD": self.etcd.url, "HYPERMESH_NAMESPACE": self.namespace}
         if self.s3 is not None and self.store_url is not None:
             env.update(self.s3.client_env(), HYPERMESH_STORE=self.store_url)
+        if self.pki is not None:
+            env.update(self.pki.member(CLI_USER).env())
         return env
 
     def close(self) -> None:

@@ -3,12 +3,23 @@ into it, and typed reads back out of it that record located problems.
 
 ``_read_document`` composes a YAML text and reduces it to ``_Node``s (plain values plus their
 1-based lines). Duplicate keys, non-string keys, recursive aliases, bad ``<<`` merges and
-unreadable scalars are reported through a ``_Report`` callback and reading goes on; only a
-YAML syntax error, or aliases that expand the document beyond ``_MAX_NODES`` nodes, stop it,
-as a ``RecipeError``. ``_apply_override`` writes one ``EXP.FIELD[.SUB...]=VALUE`` into such a
-tree; the nodes it adds have no line but carry the override as their ``origin``.
-``_NodeChecker`` reads values of a given shape (mapping, string, integer, number, duration)
-out of the tree and records a ``Problem`` for each value it rejects, never raising.
+unreadable, too long or too large scalars are reported through a ``_Report`` callback and
+reading goes on; only a YAML syntax error, or a document beyond the bounds below, stops it,
+as a ``RecipeError``. The bounds are checked on YAML's event stream before anything is
+composed (``_check_bounds``), so no input (a billion-laughs alias bomb, ten thousand nested
+brackets, a gigabyte of text) costs more than reading a recipe at the bounds:
+
+- ``MAX_TEXT`` characters of text, and of scalar text once aliases are expanded;
+- ``MAX_NODES`` keys and values once aliases are expanded;
+- ``MAX_DEPTH`` levels of nested mappings and lists, aliases expanded;
+- ``MAX_SCALAR`` characters in one value, ``MAX_NUMBER`` in one number
+
+(all in ``hypermesh.recipe.limits``).
+
+``_apply_override`` writes one ``EXP.FIELD[.SUB...]=VALUE`` into such a tree; the nodes it
+adds have no line but carry the override as their ``origin``. ``_NodeChecker`` reads values
+of a given shape (mapping, string, integer, number, duration) out of the tree and records a
+``Problem`` for each value it rejects, never raising.
 
 This module knows YAML, lines and shapes only; which fields a recipe has and what they mean
 is ``hypermesh.recipe.recipe``'s business. Everything here is private to that module and
@@ -29,10 +40,24 @@ from typing import Any
 import yaml
 
 from hypermesh.errors import Problem, RecipeError
-from hypermesh.recipe.units import UnitError, parse_duration
+from hypermesh.recipe.limits import (
+    HINTS,
+    MAX_DEPTH,
+    MAX_DURATION,
+    MAX_INT,
+    MAX_NODES,
+    MAX_NUMBER,
+    MAX_SCALAR,
+    MAX_TEXT,
+)
+from hypermesh.recipe.units import UnitError, format_duration, parse_duration
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_MAX_NODES = 1_000_000
+_STR_TAG = "tag:yaml.org,2002:str"
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+# libyaml's parser when PyYAML was built with it (several times faster); both parse the
+# same YAML 1.1 and resolve the same tags.
+_LOADER: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 """A decimal number as a regular expression: sign, digits, point, exponent."""
 
@@ -62,7 +87,7 @@ class _Entry:
 
 
 class _TooLarge(Exception):
-    """Aliases expand the document beyond ``_MAX_NODES`` nodes."""
+    """The document is beyond one of the bounds; the message says which."""
 
 
 def _suggest(word: str, choices: Iterable[str]) -> str:
@@ -88,9 +113,82 @@ def _as_float(value: Any) -> float | None:
         return None
     if isinstance(value, str) and re.fullmatch(rf"\s*{_NUMBER}\s*", value):
         value = float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
+    if isinstance(value, (int, float)):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the float range
+            return None
+        return number if math.isfinite(number) else None
     return None
+
+
+# --------------------------------------------------------------------------- bounds
+
+_Extent = tuple[int, int, int]
+"""What one node stands for, aliases expanded: keys and values, scalar characters, and
+levels of nesting (0 for a scalar)."""
+
+
+def _check_bounds(text: str) -> None:
+    """Raise ``_TooLarge`` if ``text`` is beyond ``MAX_TEXT``, ``MAX_NODES`` or
+    ``MAX_DEPTH``, counting every alias as the node it repeats.
+
+    Walks YAML's event stream (the parser is a state machine: no recursion, nothing built)
+    and stops at the first bound passed, before the composer builds a node for each event:
+    composing is what costs time. An anchor's extent is kept, so an alias costs one lookup
+    however much it stands for. Syntax errors propagate as ``yaml.MarkedYAMLError``."""
+    if len(text) > MAX_TEXT:
+        raise _TooLarge(f"the text is {len(text):,} characters; at most {MAX_TEXT:,}")
+    anchors: dict[str, _Extent] = {}
+    # The collections being read, outermost first: [anchor, nodes, chars, depth below].
+    open_: list[list[Any]] = []
+    nodes = chars = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.ScalarEvent):
+            anchor, extent = event.anchor, (1, len(event.value), 0)
+        elif isinstance(event, yaml.AliasEvent):
+            # An anchor still open is a recursive alias (the reader reports it); an unknown
+            # one is the composer's error.
+            anchor, extent = None, anchors.get(event.anchor or "", (1, 0, 0))
+        elif isinstance(event, yaml.CollectionStartEvent):
+            open_.append([event.anchor, 1, 0, 0])
+            nodes += 1
+            _within(len(open_), nodes, chars)
+            continue
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, *counts = open_.pop()
+            extent = (counts[0], counts[1], counts[2] + 1)
+            if anchor is not None:
+                anchors[anchor] = extent
+            if open_:
+                _add(open_[-1], extent)
+            continue  # already in the totals, counted as it was read
+        else:
+            continue
+        nodes += extent[0]
+        chars += extent[1]
+        _within(len(open_) + extent[2], nodes, chars)
+        if anchor is not None:
+            anchors[anchor] = extent
+        if open_:
+            _add(open_[-1], extent)
+
+
+def _within(depth: int, nodes: int, chars: int) -> None:
+    if depth > MAX_DEPTH:
+        raise _TooLarge(f"mappings and lists nest more than {MAX_DEPTH} levels deep")
+    if nodes > MAX_NODES:
+        raise _TooLarge(f"more than {MAX_NODES:,} keys and values (aliases expanded)")
+    if chars > MAX_TEXT:
+        raise _TooLarge(f"aliases expand the text beyond {MAX_TEXT:,} characters")
+
+
+def _add(parent: list[Any], extent: _Extent) -> None:
+    """A node is complete: add its extent to its parent's."""
+    parent[1] += extent[0]
+    parent[2] += extent[1]
+    if extent[2] > parent[3]:
+        parent[3] = extent[2]
 
 
 # --------------------------------------------------------------------------- reading
@@ -99,8 +197,9 @@ class _Reader:
     """Turns a composed YAML node graph into ``_Node``s, reporting duplicate keys, bad keys,
     recursive aliases and unknown tags through ``report``; it never raises for those.
 
-    Raises ``_TooLarge`` once it has read more than ``_MAX_NODES`` nodes (aliases included).
-    With an ``origin`` (a ``--set`` key), nodes get that origin and no line.
+    The document has passed ``_check_bounds``; deeper than ``MAX_DEPTH`` levels it still
+    raises ``_TooLarge`` rather than recurse. With an ``origin`` (a ``--set`` key), nodes
+    get that origin and no line.
     """
 
     def __init__(self, report: _Report, origin: str | None = None) -> None:
@@ -108,42 +207,53 @@ class _Reader:
         self._report = report
         self._origin = origin
         self._active: set[int] = set()
-        self._count = 0
 
     def _line(self, node: yaml.Node) -> int | None:
         return None if self._origin else node.start_mark.line + 1
 
-    def read(self, node: yaml.Node, path: str) -> _Node:
+    def read(self, node: yaml.Node, path: str, depth: int = 0) -> _Node:
         line = self._line(node)
-        self._count += 1
-        if self._count > _MAX_NODES:
-            raise _TooLarge
         if id(node) in self._active:
             self._report(line, path, "an alias refers to the node that contains it")
             return _Node(None, line, self._origin)
         if isinstance(node, yaml.ScalarNode):
             return _Node(self._scalar(node, path, line), line, self._origin)
+        if depth >= MAX_DEPTH:
+            raise _TooLarge(f"mappings and lists nest more than {MAX_DEPTH} levels deep")
         self._active.add(id(node))
         try:
             if isinstance(node, yaml.SequenceNode):
-                items = [self.read(item, f"{path}[{i}]") for i, item in enumerate(node.value)]
+                items = [
+                    self.read(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node.value)
+                ]
                 return _Node(items, line, self._origin)
             assert isinstance(node, yaml.MappingNode)
-            return _Node(self._mapping(node, path), line, self._origin)
+            return _Node(self._mapping(node, path, depth), line, self._origin)
         finally:
             self._active.discard(id(node))
 
     def _scalar(self, node: yaml.ScalarNode, path: str, line: int | None) -> Any:
+        if len(node.value) > MAX_SCALAR:
+            self._report(line, path, f"a value of {len(node.value):,} characters; at most "
+                         f"{MAX_SCALAR:,}")
+            return None
+        if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER:
+            self._report(line, path, f"a number of {len(node.value):,} characters; at most "
+                         f"{MAX_NUMBER}")
+            return None
+        if node.tag == _STR_TAG:  # most values: their text is the value
+            return node.value
         try:
             value = self._constructor.construct_object(node)
-        except yaml.YAMLError as exc:
+        except Exception as exc:  # !!int abc, !!timestamp x: PyYAML's constructors fail
+            # on explicitly tagged text in several ways, all of them this
             self._report(line, path, f"cannot read value: {getattr(exc, 'problem', exc)}")
             return None
         if value is None or isinstance(value, (str, int, float, bool)):
             return value
         return node.value  # timestamps and the like: keep the text as written
 
-    def _mapping(self, node: yaml.MappingNode, path: str) -> dict[str, _Entry]:
+    def _mapping(self, node: yaml.MappingNode, path: str, depth: int) -> dict[str, _Entry]:
         merged: dict[str, _Entry] = {}
         explicit: dict[str, _Entry] = {}
         for key_node, value_node in node.value:
@@ -153,7 +263,7 @@ class _Reader:
                     value_node
                 ]
                 for source in sources:
-                    sub = self.read(source, path)
+                    sub = self.read(source, path, depth)  # merged in: this mapping's level
                     if not isinstance(sub.value, dict):
                         self._report(key_line, path, "'<<' can only merge mappings")
                         continue
@@ -169,8 +279,27 @@ class _Reader:
                 first = explicit[key].key_line
                 self._report(key_line, sub_path, f"duplicate key {key!r} (first at line {first})")
                 continue
-            explicit[key] = _Entry(key_line, self.read(value_node, sub_path))
+            explicit[key] = _Entry(key_line, self.read(value_node, sub_path, depth + 1))
         return {**merged, **explicit}
+
+
+def _placeholder_hint(text: str, line: int | None) -> str:
+    """A hint for the YAML error most placeholders cause: ``{{name}}`` unquoted inside a
+    flow list or mapping (``[echo {{x}}]``), or starting a value, reads as a mapping."""
+    lines = text.splitlines()
+    if line is None or not 0 <= line < len(lines) or "{{" not in lines[line]:
+        return ""
+    return ("; a value with a {{placeholder}} inside [...] or {...}, or at the start of a "
+            'value, must be quoted: command: ["echo {{x}}"]')
+
+
+def _compose(text: str) -> yaml.Node | None:
+    """YAML's node graph of ``text`` (aliases not expanded), once it is within bounds."""
+    try:
+        _check_bounds(text)
+        return yaml.compose(text, Loader=_LOADER)
+    except UnicodeEncodeError as exc:  # libyaml reads UTF-8: a lone surrogate (from argv)
+        raise yaml.YAMLError(f"not Unicode text: {exc.reason} at character {exc.start}") from None
 
 
 def _read_document(text: str, source: str, report: _Report) -> _Node:
@@ -180,18 +309,18 @@ def _read_document(text: str, source: str, report: _Report) -> _Node:
     large to read raises ``RecipeError`` with that one problem, ``source`` naming the text.
     """
     try:
-        document = yaml.compose(text, Loader=yaml.SafeLoader)
+        document = _compose(text)
         return _Reader(report).read(document, "") if document is not None else _Node(None, 1)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         message = "; ".join(m for m in (exc.context, exc.problem) if m)
         line = mark.line + 1 if mark is not None else None
+        message += _placeholder_hint(text, mark.line if mark is not None else None)
         raise RecipeError([Problem(source, line, "", f"YAML syntax error: {message}")]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([Problem(source, None, "", f"cannot read YAML: {exc}")]) from None
-    except _TooLarge:
-        message = f"aliases expand the recipe beyond {_MAX_NODES} nodes"
-        raise RecipeError([Problem(source, None, "", message)]) from None
+    except _TooLarge as exc:
+        raise RecipeError([Problem(source, None, "", str(exc))]) from None
 
 
 # --------------------------------------------------------------------------- --set overrides
@@ -212,13 +341,13 @@ def _apply_override(root: _Node, text: str, report: _Report) -> None:
         return
     reader = _Reader(lambda _line, _path, message: report(None, where, message), key)
     try:
-        document = yaml.compose(raw, Loader=yaml.SafeLoader)
+        document = _compose(raw)
         value = reader.read(document, where) if document is not None else _Node(None, None, key)
     except yaml.YAMLError as exc:
         report(None, where, f"cannot parse value {raw!r}: {getattr(exc, 'problem', exc)}")
         return
-    except _TooLarge:
-        report(None, where, f"the value expands beyond {_MAX_NODES} nodes")
+    except _TooLarge as exc:
+        report(None, where, str(exc))
         return
     top = root.value if isinstance(root.value, dict) else {}
     experiments = top.get("experiments")
@@ -258,6 +387,12 @@ class _NodeChecker:
     def __init__(self, source: str) -> None:
         self.source = source
         self.problems: list[Problem] = []
+        self._hints = 0
+
+    def suggest(self, word: str, choices: Iterable[str]) -> str:
+        """``_suggest``, for the first ``HINTS`` calls of this checker."""
+        self._hints += 1
+        return _suggest(word, choices) if self._hints <= HINTS else ""
 
     def report(self, line: int | None, path: str, message: str) -> None:
         self.problems.append(Problem(self.source, line, path, message))
@@ -277,7 +412,7 @@ class _NodeChecker:
         for key, entry in entries.items():
             if key not in allowed:
                 where = f"{path}.{key}" if path else key
-                hint = _suggest(key, allowed)
+                hint = self.suggest(key, allowed)
                 self.report(entry.key_line, where, f"unknown field {key!r}{hint}")
 
     def string(self, node: _Node, path: str) -> str | None:
@@ -286,17 +421,24 @@ class _NodeChecker:
         self.at(node, path, f"expected a non-empty string, got {_describe(node.value)}")
         return None
 
-    def integer(self, node: _Node, path: str, minimum: int | None = None) -> int | None:
+    def integer(
+        self, node: _Node, path: str, minimum: int = -MAX_INT - 1, maximum: int = MAX_INT
+    ) -> int | None:
         value = node.value
         if isinstance(value, bool) or not isinstance(value, int):
             self.at(node, path, f"expected an integer, got {_describe(value)}")
             return None
-        if minimum is not None and value < minimum:
+        if value < minimum:
             self.at(node, path, f"must be at least {minimum}, got {value}")
+            return None
+        if value > maximum:
+            self.at(node, path, f"must be at most {maximum}, got {value}")
             return None
         return value
 
-    def number(self, node: _Node, path: str, minimum: float, inclusive: bool) -> float | None:
+    def number(
+        self, node: _Node, path: str, minimum: float, inclusive: bool, maximum: float = math.inf
+    ) -> float | None:
         value = _as_float(node.value)
         if value is None:
             self.at(node, path, f"expected a number, got {_describe(node.value)}")
@@ -305,12 +447,19 @@ class _NodeChecker:
             bound = f"at least {minimum:g}" if inclusive else f"greater than {minimum:g}"
             self.at(node, path, f"must be {bound}, got {node.value!r}")
             return None
+        if value > maximum:
+            self.at(node, path, f"must be at most {maximum:g}, got {node.value!r}")
+            return None
         return value
 
-    def duration(self, node: _Node, path: str) -> float | None:
+    def duration(self, node: _Node, path: str, maximum: float = MAX_DURATION) -> float | None:
         try:
             if isinstance(node.value, (str, int, float)):
                 seconds = parse_duration(node.value)
+                if seconds > maximum:
+                    self.at(node, path, f"must be at most {format_duration(maximum)}, "
+                            f"got {node.value!r}")
+                    return None
                 if seconds > 0:
                     return seconds
                 self.at(node, path, f"must be longer than 0 seconds, got {node.value!r}")

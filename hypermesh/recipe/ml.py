@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hypermesh.recipe.located import _describe, _Entry, _Node, _NodeChecker, _suggest
+from hypermesh.recipe.located import _describe, _Entry, _Node, _NodeChecker
 
 GOALS = ("minimize", "maximize")
 EXPERIMENT_SAMPLINGS = ("random", "tpe")
@@ -63,7 +63,7 @@ class MLChecker(_NodeChecker):
             return None
         if node.value in allowed:
             return str(node.value)
-        hint = _suggest(str(node.value), allowed) if isinstance(node.value, str) else ""
+        hint = self.suggest(str(node.value), allowed) if isinstance(node.value, str) else ""
         self.at(node, path, f"must be one of {', '.join(allowed)}, got "
                 f"{_describe(node.value)}{hint}")
         return None

@@ -13,16 +13,28 @@ a validated recipe losslessly (in etcd).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass, replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
 from hypermesh.errors import NotFound, Problem, RecipeError
+from hypermesh.recipe.dag import DagChecker, topological_order
 from hypermesh.recipe.inputs import input_problems
+from hypermesh.recipe.limits import (
+    MAX_CPUS,
+    MAX_EXPERIMENTS,
+    MAX_GANG,
+    MAX_GPUS,
+    MAX_RETRIES,
+    MAX_SAMPLES,
+    MAX_STORED,
+    MAX_WORKERS,
+)
 from hypermesh.recipe.located import (
     _NUMBER,
     _apply_override,
@@ -31,7 +43,6 @@ from hypermesh.recipe.located import (
     _Entry,
     _Node,
     _read_document,
-    _suggest,
 )
 from hypermesh.recipe.ml import (
     EXPERIMENT_SAMPLINGS,
@@ -40,6 +51,7 @@ from hypermesh.recipe.ml import (
     Objective,
     objective_from_json,
 )
+from hypermesh.recipe.pass_env import check_pass_env, name_list
 from hypermesh.recipe.templating import (
     BUILTINS,
     PARAM_ENV_PREFIX,
@@ -168,11 +180,13 @@ class Experiment:
     inputs: tuple[str, ...] = ()  # ALIAS/PATH templates: what each task reads (placement)
     prefer_pools: tuple[str, ...] = ()
     batch: int | None = None  # tasks per block (hypermesh/state/blocks.py); None: chosen by size
+    pass_env: tuple[str, ...] = ()  # agent variables its tasks get by name (recipe/pass_env.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "command", tuple(self.command))
         object.__setattr__(self, "prefer_pools", tuple(self.prefer_pools))
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "pass_env", tuple(self.pass_env))
         object.__setattr__(self, "pools", tuple(self.pools))
         object.__setattr__(self, "parameters", tuple(self.parameters))
         object.__setattr__(self, "after", tuple(self.after))
@@ -245,15 +259,7 @@ class Recipe:
     @cached_property
     def _topological(self) -> tuple[str, ...]:
         # Computed once per recipe: the scheduler asks on every claim.
-        done: list[str] = []
-        waiting = list(self.experiments)
-        while waiting:
-            ready = next((e for e in waiting if all(d in done for d in e.after)), None)
-            if ready is None:
-                raise ValueError(f"dependency cycle among {[e.name for e in waiting]}")
-            done.append(ready.name)
-            waiting.remove(ready)
-        return tuple(done)
+        return tuple(topological_order([(e.name, e.after) for e in self.experiments]))
 
     def with_seed(self, seed: int) -> Recipe:
         """A copy of this recipe with the top-level ``seed`` set to ``seed``."""
@@ -285,12 +291,16 @@ class Recipe:
 
 def _jsonable(value: Any) -> Any:
     """Dataclasses as dicts of their fields, tuples as lists, mappings as dicts."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _jsonable(getattr(value, f.name)) for f in fields(value)}
+    if value is None or isinstance(value, (str, int, float)):  # most values: first
+        return value
+    if isinstance(value, FrozenMap):  # str -> str
+        return dict(value)
     if isinstance(value, (tuple, list)):
         return [_jsonable(item) for item in value]
     if isinstance(value, Mapping):
         return {key: _jsonable(item) for key, item in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in fields(value)}
     return value
 
 
@@ -313,13 +323,13 @@ _TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
-    "pruning", "nodes", "inputs", "prefer_pools", "batch",
+    "pruning", "nodes", "inputs", "prefer_pools", "batch", "pass_env",
 )
 _PARAMETER_FIELDS = ("range", "sampling", "values")
 _HARDWARE_FIELDS = ("gpu", "gpus", "cpus", "memory", "gpu_memory")
 
 
-class _Checker(MLChecker):
+class _Checker(MLChecker, DagChecker):
     """Validates a ``_Node`` tree into a ``Recipe`` while collecting every problem it finds.
 
     Methods return None for a value they rejected (after recording why) and never raise;
@@ -328,7 +338,8 @@ class _Checker(MLChecker):
 
     def __init__(self, source: str) -> None:
         super().__init__(source)
-        self._after: dict[str, tuple[int | None, list[tuple[str, _Node, str]]]] = {}
+        self._env_chars = 0  # of the experiments' merged environments so far (merged_env)
+        self._shared_env_chars = 0  # of the top-level env
 
     # ------------------------------------------------------------------ environment
     def image(self, node: _Node, path: str) -> str | None:
@@ -354,6 +365,23 @@ class _Checker(MLChecker):
                         f"{_describe(item.node.value)}")
         return result
 
+    def merged_env(
+        self, shared: dict[str, str], entry: _Entry | None, path: str
+    ) -> dict[str, str]:
+        """The top-level ``env`` overlaid with an experiment's own. Each experiment stores
+        the whole of it, so the characters of all experiments' environments together are
+        bounded (``MAX_STORED``), before a large top-level env is copied a thousand times."""
+        own = self.env(entry, path)
+        before = self._env_chars
+        self._env_chars += self._shared_env_chars + _env_size(own)
+        if self._env_chars <= MAX_STORED:
+            return {**shared, **own}
+        if before <= MAX_STORED:  # reported once, where the bound is passed
+            self.report(entry.key_line if entry else None, path, "the experiments' "
+                        f"environments (each with the top-level env) come to more than "
+                        f"{MAX_STORED:,} characters")
+        return {}
+
     # ------------------------------------------------------------------ recipe
     def recipe(self, root: _Node) -> Recipe | None:
         top = self.mapping(root, "", "a mapping with an 'experiments' field")
@@ -365,21 +393,32 @@ class _Checker(MLChecker):
         seed = self.integer(optional["seed"], "seed") if "seed" in optional else None
         workdir = self.string(optional["workdir"], "workdir") if "workdir" in optional else None
         env = self.env(top.get("env"), "env")
+        self._shared_env_chars = _env_size(env)
         experiments: list[Experiment | None] = []
         if "experiments" not in optional:
             self.report(root.line, "experiments", "missing required field 'experiments'")
         elif (entries := self.mapping(optional["experiments"], "experiments")) is not None:
             if not entries:
                 self.at(optional["experiments"], "experiments", "needs at least one experiment")
+            elif len(entries) > MAX_EXPERIMENTS:
+                self.at(optional["experiments"], "experiments", f"{len(entries)} experiments; "
+                        f"at most {MAX_EXPERIMENTS}")
+                return None
             for exp_name, entry in entries.items():
                 experiments.append(self.experiment(exp_name, entry, env))
             self.dependencies(list(entries))
         if self.problems:
             return None
-        return Recipe(
+        recipe = Recipe(
             experiments=tuple(e for e in experiments if e is not None),
             name=name, seed=seed, env=env, workdir=workdir,
         )
+        stored = len(json.dumps(recipe.to_json(), separators=(",", ":")))  # as records store it
+        if stored > MAX_STORED:
+            self.report(None, "", f"the recipe is {stored:,} bytes stored (as JSON, each "
+                        f"experiment with the top-level env); at most {MAX_STORED:,}")
+            return None
+        return recipe
 
     def experiment(self, name: str, entry: _Entry, shared_env: dict[str, str]) -> Experiment | None:
         path = f"experiments.{name}"
@@ -398,18 +437,18 @@ class _Checker(MLChecker):
         def optional(key: str, check: Any, *args: Any) -> Any:
             return check(given[key], f"{path}.{key}", *args) if key in given else None
 
-        samples = optional("samples", self.integer, 1)
+        samples = optional("samples", self.integer, 1, MAX_SAMPLES)
         if samples is None and "samples" not in given and any(
             p.kind == "range" for p in parameters
         ):
             self.report(entry.key_line, f"{path}.samples", "range parameters need 'samples' "
                         "(how many tasks to draw)")
-        workers = optional("workers", self.integer, 1)
-        nodes = optional("nodes", self.integer, 1) or 1
+        workers = optional("workers", self.integer, 1, MAX_WORKERS)
+        nodes = optional("nodes", self.integer, 1, MAX_GANG) or 1
         hardware = optional("hardware", self.hardware) or Hardware()
         self.after(name, given.get("after"), spec.get("after"), path)
-        env = {**shared_env, **self.env(spec.get("env"), f"{path}.env")}
-        retries = optional("retries", self.integer, 0) or 0
+        env = self.merged_env(shared_env, spec.get("env"), f"{path}.env")
+        retries = optional("retries", self.integer, 0, MAX_RETRIES) or 0
         timeout = optional("timeout", self.duration)
         framework = optional("framework", self.string)
         image = optional("image", self.image)
@@ -430,6 +469,7 @@ class _Checker(MLChecker):
             self.report(entry.key_line, f"{path}.pruning", "'pruning' is not supported for "
                         "gangs ('nodes' above 1)")
         batch = optional("batch", self.integer, 1)
+        pass_env = optional("pass_env", partial(check_pass_env, self)) or ()
         if len(self.problems) > before or command is None:
             return None
         experiment = Experiment(
@@ -438,7 +478,7 @@ class _Checker(MLChecker):
             env=env, retries=retries, timeout=timeout, framework=framework, image=image,
             seed=seed, data=data, pools=pools, objective=objective, sampling=sampling,
             pruning=pruning, nodes=nodes, inputs=inputs, prefer_pools=prefer_pools,
-            batch=batch,
+            batch=batch, pass_env=pass_env,
         )
         if batch is not None:
             self.batch_rules(given["batch"], f"{path}.batch", experiment)
@@ -460,6 +500,7 @@ class _Checker(MLChecker):
         if entries is None:
             return None
         result: dict[str, str] = {}
+        upper: set[str] = set()
         for alias, item in entries.items():
             if not _IDENTIFIER.fullmatch(alias):
                 self.report(item.key_line, f"{path}.{alias}", "an alias is a letter or '_' "
@@ -473,10 +514,11 @@ class _Checker(MLChecker):
                 self.at(item.node, f"{path}.{alias}", f"{spec!r} is not DATASET or "
                         "DATASET@VERSION (names: letters, digits, '.', '_', '-')")
                 continue
-            if alias.upper() in {a.upper() for a in result}:
+            if alias.upper() in upper:
                 self.report(item.key_line, f"{path}.{alias}", "two aliases differ only in case; "
                             "both would be HM_DATA_" + alias.upper())
                 continue
+            upper.add(alias.upper())
             result[alias] = spec
         return result
 
@@ -502,35 +544,21 @@ class _Checker(MLChecker):
 
     # ------------------------------------------------------------------ pools
     def pools(self, node: _Node, path: str) -> tuple[str, ...] | None:
-        items = node.value if isinstance(node.value, list) else [node]
-        if not items:
-            self.at(node, path, "expected one pool name or a list of them, got an empty list")
-            return None
-        names: list[str] = []
-        for i, item in enumerate(items):
-            where = f"{path}[{i}]" if isinstance(node.value, list) else path
-            name = self.string(item, where)
-            if name is None:
-                continue
-            if not _EXPERIMENT_NAME.fullmatch(name):
-                self.at(item, where, f"{name!r} is not a pool name (1-63 letters, digits, "
-                        "'_' or '-', starting with a letter or digit)")
-            elif name in names:
-                self.at(item, where, f"pool {name!r} is listed twice")
-            else:
-                names.append(name)
-        return tuple(names) if len(names) == len(items) else None
+        return name_list(self, node, path, _EXPERIMENT_NAME, "pool", "1-63 letters, "
+                         "digits, '_' or '-', starting with a letter or digit")
 
     def preferred_allowed(self, node: _Node, path: str, preferred: tuple[str, ...],
                           allowed: tuple[str, ...]) -> None:
         """Each of ``prefer_pools`` must be one of ``pools``: a preferred pool the recipe
         forbids could never run the tasks."""
         items = node.value if isinstance(node.value, list) else [node]
+        allowed_set = set(allowed)
+        listed = ", ".join(allowed[:20]) + (", ..." if len(allowed) > 20 else "")
         for i, name in enumerate(preferred):
-            if name not in allowed:
+            if name not in allowed_set:
                 where = f"{path}[{i}]" if isinstance(node.value, list) else path
                 self.at(items[i], where, f"pool {name!r} is not one of 'pools' "
-                        f"({', '.join(allowed)}): a preferred pool must be allowed")
+                        f"({listed}): a preferred pool must be allowed")
 
     # ------------------------------------------------------------------ command
     def command(
@@ -604,7 +632,7 @@ class _Checker(MLChecker):
         if "sampling" in spec:
             node = spec["sampling"].node
             if node.value not in SAMPLINGS:
-                hint = _suggest(str(node.value), SAMPLINGS)
+                hint = self.suggest(str(node.value), SAMPLINGS)
                 self.at(node, f"{path}.sampling", f"must be one of {', '.join(SAMPLINGS)}, "
                         f"got {node.value!r}{hint}")
                 return None
@@ -675,10 +703,12 @@ class _Checker(MLChecker):
                         "use 'gpus' for how many")
             else:
                 gpu = self.string(gpu_node, f"{path}.gpu")
-        gpus = self.number(given["gpus"], f"{path}.gpus", 0, True) if "gpus" in given else None
+        gpus = (self.number(given["gpus"], f"{path}.gpus", 0, True, MAX_GPUS)
+                if "gpus" in given else None)
         if gpu is not None and gpus == 0:
             self.at(given["gpus"], f"{path}.gpus", f"asks for a {gpu!r} GPU but 0 gpus")
-        cpus = self.number(given["cpus"], f"{path}.cpus", 0, False) if "cpus" in given else 1.0
+        cpus = (self.number(given["cpus"], f"{path}.cpus", 0, False, MAX_CPUS)
+                if "cpus" in given else 1.0)
         memory = self.size(given.get("memory"), f"{path}.memory")
         gpu_memory = self.size(given.get("gpu_memory"), f"{path}.gpu_memory")
         if gpus is None:
@@ -705,66 +735,10 @@ class _Checker(MLChecker):
             self.at(node, path, "must be more than 0 bytes")
         return value
 
-    # ------------------------------------------------------------------ dependencies
-    def after(self, name: str, node: _Node | None, entry: _Entry | None, path: str) -> None:
-        refs: list[tuple[str, _Node, str]] = []
-        line = entry.key_line if entry is not None else None
-        if node is not None:
-            items = node.value if isinstance(node.value, list) else [node]
-            for i, item in enumerate(items):
-                where = f"{path}.after[{i}]" if isinstance(node.value, list) else f"{path}.after"
-                dep = self.string(item, where)
-                if dep is not None and dep in (ref[0] for ref in refs):
-                    self.at(item, where, f"{dep!r} is listed twice")
-                elif dep is not None:
-                    refs.append((dep, item, where))
-        self._after[name] = (line, refs)
 
-    def dependencies(self, names: list[str]) -> None:
-        """Unknown names, self-dependencies and cycles in ``after``, each reported once."""
-        graph: dict[str, list[str]] = {}
-        for name, (_, refs) in self._after.items():
-            graph[name] = []
-            for dep, node, where in refs:
-                if dep == name:
-                    self.at(node, where, f"experiment {name!r} cannot run after itself")
-                elif dep not in names:
-                    self.at(node, where, f"unknown experiment {dep!r}{_suggest(dep, names)}")
-                else:
-                    graph[name].append(dep)
-        order = {name: i for i, name in enumerate(names)}
-        reported: set[tuple[str, ...]] = set()
-        for cycle in _cycles(graph):
-            start = min(range(len(cycle)), key=lambda i: order[cycle[i]])
-            cycle = cycle[start:] + cycle[:start]
-            if tuple(cycle) not in reported:
-                reported.add(tuple(cycle))
-                line = self._after[cycle[0]][0]
-                text = " -> ".join([*cycle, cycle[0]])
-                self.report(line, f"experiments.{cycle[0]}.after", f"dependency cycle: {text}")
-
-
-def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
-    """One cycle for every back edge a depth-first search of ``graph`` meets."""
-    found: list[list[str]] = []
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = finished
-    stack: list[str] = []
-
-    def visit(name: str) -> None:
-        state[name] = 1
-        stack.append(name)
-        for dep in graph.get(name, []):
-            if state.get(dep) == 1:
-                found.append(stack[stack.index(dep):])
-            elif dep not in state:
-                visit(dep)
-        stack.pop()
-        state[name] = 2
-
-    for name in graph:
-        if name not in state:
-            visit(name)
-    return found
+def _env_size(env: dict[str, str]) -> int:
+    """Characters of ``env``'s names and values."""
+    return sum(len(k) + len(v) for k, v in env.items())
 
 
 # --------------------------------------------------------------------------- entry points

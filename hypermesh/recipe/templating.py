@@ -41,6 +41,7 @@ BUILTINS: frozenset[str] = frozenset(
     {"workflow_id", "experiment", "task_id", "task_index", "attempt"}
 )
 PARAM_ENV_PREFIX = "HM_PARAM_"
+_LISTED = 20  # parameters a problem lists at most
 
 # Anything between double braces; the content decides whether it is a valid placeholder.
 _BRACES = re.compile(r"\{\{([^{}]*)\}\}")
@@ -62,11 +63,11 @@ def _placeholders(template: str) -> list[tuple[re.Match[str], str | None]]:
 
 def template_names(template: str) -> list[str]:
     """The names ``template`` uses, each once, in order of first use."""
-    names: list[str] = []
+    names: dict[str, None] = {}  # an ordered set: a long command has many placeholders
     for _, name in _placeholders(template):
-        if name is not None and name not in names:
-            names.append(name)
-    return names
+        if name is not None:
+            names[name] = None
+    return list(names)
 
 
 def malformed_placeholders(template: str) -> list[str]:
@@ -115,12 +116,15 @@ def placeholder_problems(template: str, parameters: Collection[str]) -> list[str
     message per unknown name (not a parameter nor a built-in), malformed placeholder, and
     placeholder inside quotes. Empty when the template is fine."""
     known = set(parameters) | BUILTINS
+    candidates = sorted(known)
+    names = list(parameters)
+    listed = ", ".join(names[:_LISTED]) + (", ..." if len(names) > _LISTED else "") or "none"
     messages: list[str] = []
     for name in template_names(template):
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
+            # Hints for the first few only: each compares the name with every parameter.
+            close = difflib.get_close_matches(name, candidates, n=1) if len(messages) < 10 else []
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            listed = ", ".join(parameters) or "none"
             messages.append(f"unknown template variable {name!r}{hint} (parameters: {listed})")
     for text in malformed_placeholders(template):
         messages.append(f"malformed placeholder {text}: use {{{{name}}}} with an identifier")

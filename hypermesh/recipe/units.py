@@ -12,7 +12,9 @@ Sizes
     ``P``/``PB``, so ``"1.5G"`` is 1,500,000,000 bytes and ``"16GiB"`` is 16 * 2**30. ``B`` or
     no unit means bytes, and a plain integer is a count of bytes. Units are case-insensitive.
     The result is an int number of bytes (rounded half up when a fraction of a unit does not
-    come out to whole bytes; a fractional count of plain bytes is an error).
+    come out to whole bytes; a fractional count of plain bytes is an error). A size is at most
+    ``MAX_SIZE`` (1 EiB, 2**60 bytes): more than any machine has, and a bound that keeps a
+    size such as ``1e99999999GiB`` from costing time or overflowing.
 
 Both parsers reject negative, infinite and NaN amounts and raise ``UnitError`` with a
 message that quotes the bad input.
@@ -26,7 +28,12 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from hypermesh.errors import FatalError
 
-__all__ = ["UnitError", "format_duration", "format_size", "parse_duration", "parse_size"]
+__all__ = [
+    "MAX_SIZE", "UnitError", "format_duration", "format_size", "parse_duration", "parse_size",
+]
+
+MAX_SIZE = 2**60
+"""The largest size ``parse_size`` accepts: 1 EiB (1024PiB)."""
 
 
 class UnitError(FatalError, ValueError):
@@ -101,11 +108,11 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, int):
         if value < 0:
             raise UnitError(f"invalid size {value!r}: must not be negative")
-        return value
+        return _checked_size(value, value)
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or not value.is_integer():
             raise UnitError(f"invalid size {value!r}: must be a whole, non-negative byte count")
-        return int(value)
+        return _checked_size(value, value)
     match = _SIZE.fullmatch(value)
     if match is None:
         stripped = value.strip()
@@ -116,11 +123,20 @@ def parse_size(value: str | int | float) -> int:
     multiplier = _SIZE_UNITS.get(unit.lower())
     if multiplier is None:
         raise UnitError(f"invalid size {value!r}: unknown unit {unit!r}; {_SIZE_FORMS}")
-    amount = Decimal(match.group(1)) * multiplier
+    number = Decimal(match.group(1))
+    if number.adjusted() > 30:  # far beyond MAX_SIZE in any unit; multiplying could overflow
+        return _checked_size(MAX_SIZE + 1, value)
+    amount = number * multiplier
     whole = amount.to_integral_value(rounding=ROUND_HALF_UP)
     if multiplier == 1 and whole != amount:
         raise UnitError(f"invalid size {value!r}: a byte count must be a whole number")
-    return int(whole)
+    return _checked_size(whole, value)
+
+
+def _checked_size(size: int | float | Decimal, original: object) -> int:
+    if size > MAX_SIZE:
+        raise UnitError(f"invalid size {original!r}: at most 1 EiB (1024PiB)")
+    return int(size)
 
 
 def format_duration(seconds: float) -> str:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlparse
@@ -28,6 +30,19 @@ DEFAULT_ETCD = "http://127.0.0.1:2379"
 # One etcd transaction may hold at most this many operations (etcd's --max-txn-ops
 # default is 128; stay below it).
 MAX_TXN_OPS = 120
+
+PAGE_BYTES = 1 << 20
+"""Bytes of keys and values one page of a range read aims at: a quarter of the 4 MiB a
+gRPC client accepts in one message by default."""
+
+FIRST_PAGE_KEYS = 256
+"""Keys asked for in a range read's first page, before any size is known."""
+
+MAX_PAGE_KEYS = 10_000
+"""Most keys asked for in one page, however small the values."""
+
+TIDY_EVERY = 256
+"""Keys a mirror's load applies between two calls of its ``tidy`` hook."""
 
 
 def _cancelled(exc: BaseException) -> bool:
@@ -56,6 +71,35 @@ def parse_endpoints(urls: str) -> list[str]:
     if not endpoints:
         raise UsageError("no etcd endpoint given")
     return endpoints
+
+
+# gRPC status codes that mean no endpoint answered (the others are etcd's own answers).
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNKNOWN)
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+async def _resolve(endpoint: str) -> str:
+    """``HOST:PORT`` with HOST as an IPv4 address (the first its name resolves to)."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        ipaddress.IPv4Address(host)
+        return endpoint
+    except ValueError:
+        pass
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(
+            host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM
+        )
+    except OSError as exc:
+        raise EtcdUnavailable(
+            f"cannot reach etcd at {endpoint}: cannot resolve host name {host!r} "
+            f"({exc.strerror or exc})"
+        ) from None
+    return f"{found[0][4][0]}:{port}"
 
 
 @dataclass(frozen=True)
@@ -87,6 +131,13 @@ class Etcd:
         await self.close()
 
     async def connect(self) -> None:
+        """Open the channel. etcd3aio dials its endpoints as IPv4 addresses only (an
+        ``ipv4:`` target), so host names are resolved here first; one that does not
+        resolve raises ``EtcdUnavailable`` naming it."""
+        addresses = [await _resolve(endpoint) for endpoint in self.endpoints]
+        manager = getattr(self.client, "_manager", None)
+        if addresses != self.endpoints and isinstance(getattr(manager, "target", None), str):
+            manager.target = "ipv4:" + ",".join(addresses)  # type: ignore[union-attr]
         await self.client.connect()
 
     async def close(self) -> None:
@@ -113,7 +164,25 @@ class Etcd:
                 exc.details() or ""
             ):
                 return LeaseLost(f"etcd {what}: the lease is gone")
-        return EtcdUnavailable(f"etcd {what} failed at {','.join(self.endpoints)}: {exc}")
+        at = ",".join(self.endpoints)
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in _UNREACHABLE:
+            return EtcdUnavailable(f"etcd {what} failed at {at}: {exc.code().name}: "
+                                   f"{_first_line(exc.details())}")
+        return EtcdUnavailable(f"cannot reach etcd at {at}: {self._unreachable_reason(exc)}")
+
+    def _unreachable_reason(self, exc: BaseException) -> str:
+        """One line on why no endpoint answered (never gRPC's multi-line repr)."""
+        if isinstance(exc, TimeoutError) or (
+            isinstance(exc, grpc.aio.AioRpcError)
+            and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        ):
+            return f"no answer within {self.timeout:g} s"
+        text = str(exc)
+        if isinstance(exc, grpc.aio.AioRpcError):
+            text = exc.details() or exc.code().name
+        if "Connection refused" in text:
+            return "connection refused"
+        return _first_line(text) or type(exc).__name__
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
         resp = await self._call("get", self.kv.get(key, timeout=self.timeout))
@@ -123,13 +192,46 @@ class Etcd:
 
     async def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[Any], int]:
         """All key-values under ``prefix`` (as of ``revision``, or now) and the revision
-        they were read at."""
-        resp = await self._call(
-            "range",
-            self.kv.get(prefix, range_end=prefix_range_end(prefix), revision=revision,
-                        timeout=self.timeout),
-        )
-        return list(resp.kvs), revision or resp.header.revision
+        they were read at; read in pages (``pages``), so no answer nears gRPC's limit."""
+        kvs: list[Any] = []
+        read_at = revision
+        async for page, read_at in self.pages(prefix, revision):  # noqa: B007
+            kvs += page
+        return kvs, read_at
+
+    async def pages(
+        self, prefix: str, revision: int = 0, *, start: str | None = None,
+        end: str | None = None, most: int = MAX_PAGE_KEYS,
+    ) -> AsyncIterator[tuple[list[Any], int]]:
+        """The key-values under ``prefix`` (from ``start``, before ``end``, when given)
+        in key order, one page at a time (of ``most`` keys at most), every page read at
+        the same revision (``revision``, or that of the first page), with it.
+
+        A page holds about ``PAGE_BYTES`` (its key count follows the sizes seen so
+        far, from ``FIRST_PAGE_KEYS``); one refused as too large is asked for again at
+        half the keys. The first page is yielded even when empty (for its revision)."""
+        key = (start or prefix).encode()
+        stop = end.encode() if end is not None else prefix_range_end(prefix)
+        limit = min(most, FIRST_PAGE_KEYS)
+        while True:
+            try:
+                resp = await self.kv.get(key, range_end=stop, revision=revision, limit=limit,
+                                         timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
+                    limit //= 2
+                    continue
+                raise self._translate("range", exc) from exc
+            except (EtcdError, TimeoutError) as exc:
+                raise self._translate("range", exc) from exc
+            revision = revision or resp.header.revision
+            page = list(resp.kvs)
+            yield page, revision
+            if not resp.more or not page:
+                return
+            key = page[-1].key + b"\0"
+            size = sum(len(kv.key) + len(kv.value) for kv in page)
+            limit = max(1, min(most, limit * PAGE_BYTES // max(1, size)))
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         resp = await self._call("put", self.kv.put(key, value, lease=lease, timeout=self.timeout))
@@ -306,6 +408,69 @@ class Etcd:
                 return
             await asyncio.sleep(min(interval, 0.5))
 
+    # ------------------------------------------------------------------ upkeep
+    async def keys(self, prefix: str, limit: int) -> list[bytes]:
+        """The first ``limit`` keys under ``prefix``, in key order, without values."""
+        resp = await self._call(
+            "range",
+            self.kv.get(prefix, range_end=prefix_range_end(prefix), limit=limit,
+                        keys_only=True, timeout=self.timeout),
+        )
+        return [kv.key for kv in resp.kvs]
+
+    @staticmethod
+    def op_delete_range(key: bytes, range_end: bytes) -> Any:
+        return KVService.txn_op_delete(key, range_end=range_end)
+
+    @staticmethod
+    def present(key: str) -> Any:
+        """The key exists (its create revision is above 0)."""
+        from etcd3aio._protobuf import Compare
+
+        return Compare(
+            result=Compare.GREATER, target=Compare.CREATE, key=key.encode(), create_revision=0
+        )
+
+    async def status(self) -> Any:
+        """Maintenance status of the member this client reaches (``dbSize``,
+        ``dbSizeInUse``, ``dbSizeQuota`` from etcd 3.6, ``header.revision``...)."""
+        assert self.client.maintenance is not None
+        return await self._call("status", self.client.maintenance.status(timeout=self.timeout))
+
+    async def compact(self, revision: int) -> bool:
+        """Compact etcd's history up to ``revision``; False if it already was (etcd's own
+        auto-compaction, or another leader, got further)."""
+        try:
+            await self.kv.compact(revision, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                return False
+            raise self._translate("compact", exc) from exc
+        except (EtcdError, TimeoutError) as exc:
+            raise self._translate("compact", exc) from exc
+        return True
+
+    async def defragment(self, timeout: float) -> None:
+        """Defragment the member this client reaches (it answers nothing meanwhile)."""
+        assert self.client.maintenance is not None
+        await self._call(
+            "defragment", self.client.maintenance.defragment(timeout=timeout, max_attempts=1)
+        )
+
+    async def disarm_nospace(self) -> bool:
+        """Clear etcd's NOSPACE alarm (raised when the database hit its quota), if
+        raised; whether it was."""
+        from etcd3aio.maintenance import AlarmType
+
+        maintenance = self.client.maintenance
+        assert maintenance is not None
+        alarms = await self._call("alarms", maintenance.alarms(timeout=self.timeout))
+        raised = [a.memberID for a in alarms.alarms if a.alarm == AlarmType.NOSPACE]
+        for member in raised:
+            await self._call("alarm disarm", maintenance.alarm_deactivate(
+                AlarmType.NOSPACE, member_id=member, timeout=self.timeout))
+        return bool(raised)
+
     # ------------------------------------------------------------------ watching
     async def mirror(
         self,
@@ -316,6 +481,8 @@ class Etcd:
         reset: Callable[[], None] | None = None,
         ready: asyncio.Event | None = None,
         only: Sequence[str] = (),
+        first: Sequence[str] = (),
+        tidy: Callable[[], None] | None = None,
     ) -> None:
         """Feed every key under ``prefix`` to ``apply``, then every change, forever.
 
@@ -328,6 +495,11 @@ class Etcd:
         each at one revision and followed through the one watch of ``prefix``: a
         change arrives after every change etcd made before it, under any of them,
         which separate watches per prefix cannot promise.
+
+        A (re)load applies the keys under ``first`` before the others (the load is one
+        snapshot: any order gives the same state), and calls ``tidy`` every
+        ``TIDY_EVERY`` keys it applied, so that a mirror may shrink what it holds while
+        a large namespace loads (``hypermesh/state/folding.py``).
         """
         assert self.client.watch is not None
         wanted = tuple(only) or (prefix,)
@@ -342,8 +514,17 @@ class Etcd:
                     revision = loaded_at  # only once all of it is loaded
                     if reset is not None:
                         reset()
-                    for kv in kvs:
+                    ordered = kvs
+                    if first:
+                        early = tuple(p.encode() for p in first)
+                        ordered = [kv for kv in kvs if kv.key.startswith(early)]
+                        ordered += [kv for kv in kvs if not kv.key.startswith(early)]
+                    del kvs
+                    for n, kv in enumerate(ordered, start=1):
                         apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+                        if tidy is not None and n % TIDY_EVERY == 0:
+                            tidy()
+                    del ordered
                     on_batch(revision)
                     if ready is not None:
                         ready.set()

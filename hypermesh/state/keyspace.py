@@ -230,10 +230,13 @@ class Keyspace:
         return f"{self.root}{kind}/" + (f"{wid}/" if wid else "")
 
     def workflow_prefixes(self, wid: str) -> list[str]:
-        """Every prefix holding keys of workflow ``wid`` (for reading or deleting it)."""
+        """Every prefix (ending in ``/``) and exact key holding keys of workflow ``wid``
+        (for reading or deleting it: ``hypermesh/state/cleanup.py`` deletes them all)."""
         kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
                  "gang", "block", "bclaim", "bdone")
-        return [self.workflow(wid), self.workflow_state(wid), self.progress(wid)] + [
+        exact = [self.workflow(wid), self.workflow_state(wid), self.progress(wid),
+                 self.workflow_usage(wid)]
+        return exact + [
             self.kind_prefix(k, wid) for k in kinds
         ]
 

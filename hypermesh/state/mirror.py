@@ -23,6 +23,14 @@ from typing import Any
 
 from hypermesh.errors import HypermeshError
 from hypermesh.state.blocks import Batch
+from hypermesh.state.folding import (
+    AttemptKey,
+    FoldedBlock,
+    attempt_tally,
+    decided_states,
+    pack,
+    unpack,
+)
 from hypermesh.state.gangs import GangTable
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.records import (
@@ -72,6 +80,10 @@ class Mirror:
         self.workflows: dict[str, WorkflowRecord] = {}
         self.workflow_states: dict[str, str] = {}
         self.workflow_state_revisions: dict[str, int] = {}
+        # Why the leader failed a workflow itself (its planning raised), per workflow.
+        self.workflow_reasons: dict[str, str] = {}
+        # Workflow records this mirror could not read, and why: the leader fails them.
+        self.unreadable: dict[str, str] = {}
         self.controls: dict[tuple[str, str], ExperimentControl] = {}
         self.expanded: dict[tuple[str, str], int] = {}
         self.tasks: dict[TaskRef, dict[str, Any]] = {}
@@ -122,14 +134,24 @@ class Mirror:
         self._result_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
         self._reopened_at: dict[BlockRef, dict[int, int]] = defaultdict(dict)
         self._decided: Counter[BlockRef] = Counter()
+        # Folding (``hypermesh/state/folding.py``): past ``fold_after`` tasks of settled
+        # blocks (None: never, the default), the oldest are kept as counts and a packed
+        # copy in ``folded`` instead of per-task records. ``_settled``: the settled blocks
+        # not folded, oldest first, with their sizes; ``_touched``: blocks to look at again.
+        self.fold_after: int | None = None
+        self.folded: dict[BlockRef, FoldedBlock] = {}
+        self._settled: dict[BlockRef, int] = {}
+        self._settled_tasks = 0
+        self._touched: set[BlockRef] = set()
+        self._thawing: set[BlockRef] = set()  # being unfolded
 
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
         """Forget everything (before a full reload after a compacted watch) but whether
-        batches are deferred."""
-        defer = self.defer_batches
+        batches are deferred and when blocks are folded."""
+        defer, fold_after = self.defer_batches, self.fold_after
         self.__init__(self.ks)  # type: ignore[misc]
-        self.defer_batches = defer
+        self.defer_batches, self.fold_after = defer, fold_after
 
     def apply(
         self, key: str, value: bytes | None, create_revision: int = 0, mod_revision: int = 0
@@ -170,18 +192,26 @@ class Mirror:
             self.candidates[parts[0]] = (crev, data["node"])
 
     def _apply_wf(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        self.unreadable.pop(parts[0], None)
         if data is None:
             self.workflows.pop(parts[0], None)
-        else:
+            return
+        try:
             self.workflows[parts[0]] = WorkflowRecord.from_json(data)
+        except (ValueError, KeyError, TypeError, HypermeshError) as exc:
+            self.unreadable[parts[0]] = f"the workflow record cannot be read: {exc}"
+            raise
 
     def _apply_wfstate(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        self.workflow_reasons.pop(parts[0], None)
         if data is None:
             self.workflow_states.pop(parts[0], None)
             self.workflow_state_revisions.pop(parts[0], None)
         else:
             self.workflow_states[parts[0]] = data["state"]
             self.workflow_state_revisions[parts[0]] = mrev
+            if data.get("reason") is not None:
+                self.workflow_reasons[parts[0]] = str(data["reason"])
 
     def _apply_progress(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:
@@ -306,6 +336,12 @@ class Mirror:
     # ------------------------------------------------------------------ blocks
     def _apply_block(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        self._touched.add(bref)
+        if bref in self.folded:
+            if data is None:
+                self._drop_folded(bref)
+                return
+            self.unfold(bref)
         sizes = self.blocks[(bref.workflow, bref.experiment)]
         self._firsts.pop((bref.workflow, bref.experiment), None)
         if data is None:
@@ -325,6 +361,8 @@ class Mirror:
         if not isinstance(params, list) or not all(isinstance(p, dict) for p in params):
             raise TypeError("block params must be a list of objects")
         sizes[bref.first] = len(params)
+        if self._fold_on_arrival(bref, params):
+            return
         for offset, p in enumerate(params):
             ref = bref.task(offset)
             before = self._raw_state(ref)
@@ -334,6 +372,11 @@ class Mirror:
 
     def _apply_bclaim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
+        self._touched.add(bref)
+        if bref in self.folded:
+            if data is None:
+                return  # nothing of it is shown running
+            self.unfold(bref)
         if data is None:
             self.block_claims.pop(bref, None)
         else:
@@ -361,6 +404,12 @@ class Mirror:
     def _apply_bdone(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         bref = BlockRef(parts[0], parts[1], int(parts[2]))
         key = "/".join(parts)
+        self._touched.add(bref)
+        if bref in self.folded:
+            if data is None:  # its workflow is being deleted: the block goes next
+                self.folded[bref].dropped.add(key)
+                return
+            self.unfold(bref)
         if data is None:
             deferred = self._deferred.get(bref, [])
             kept = [entry for entry in deferred if entry[0] != key]
@@ -528,6 +577,128 @@ class Mirror:
                                      latest.started_at or holder.started_at, holder.revision)
         else:
             self.claims.pop(ref, None)
+
+    # ------------------------------------------------------------------ folding
+    def fold_settled(self) -> None:
+        """Fold the oldest settled blocks while more than ``fold_after`` tasks of settled
+        blocks are unfolded. The owner calls it after applying a batch of changes."""
+        touched, self._touched = self._touched, set()
+        if self.fold_after is None:
+            return
+        for bref in touched:
+            size = self.blocks.get((bref.workflow, bref.experiment), {}).get(bref.first)
+            settled = (
+                size is not None and bref not in self.folded and bref not in self.block_claims
+                and self._decided[bref] >= size and self._foldable(bref)
+            )
+            if settled and bref not in self._settled:
+                assert size is not None
+                self._settled[bref] = size
+                self._settled_tasks += size
+            elif not settled and bref in self._settled:
+                self._settled_tasks -= self._settled.pop(bref)
+        while self._settled_tasks > self.fold_after:
+            bref, size = next(iter(self._settled.items()))
+            del self._settled[bref]
+            self._settled_tasks -= size
+            self._fold(bref, size)
+
+    def _fold_on_arrival(self, bref: BlockRef, params: list[dict[str, Any]]) -> bool:
+        """Fold a block as it arrives, without making its per-task records, when it is
+        settled already and would be folded at once: a deferring view reading a large
+        namespace, its batches before its blocks (``hypermesh status``)."""
+        if (
+            self.fold_after is None or not self.defer_batches or bref in self._thawing
+            or bref in self.block_claims or bref in self._batches
+            or self._decided[bref] < len(params) or not self._foldable(bref)
+        ):
+            return False
+        if self._settled_tasks < self.fold_after:  # kept whole: the most recent settled
+            if bref not in self._settled:
+                self._settled[bref] = len(params)
+                self._settled_tasks += len(params)
+            return False
+        key = (bref.workflow, bref.experiment)
+        batches = self._deferred.pop(bref, [])
+        final = decided_states(batches)
+        states = Counter(final.get(bref.first + offset, "open") for offset in range(len(params)))
+        self.counts[key].update(states)
+        for table in (self._result_at, self._reopened_at):
+            table.pop(bref, None)
+        self.folded[bref] = FoldedBlock(len(params), states, attempt_tally(batches),
+                                        pack(params, batches))
+        return True
+
+    def _foldable(self, bref: BlockRef) -> bool:
+        """Blocks of an experiment ranked by a metric (``objective``) are never folded:
+        ``best`` reads every task's results."""
+        wf = self.workflows.get(bref.workflow)
+        try:
+            return wf is not None and wf.recipe.experiment(bref.experiment).objective is None
+        except (KeyError, ValueError, HypermeshError):
+            return False
+
+    def _fold(self, bref: BlockRef, size: int) -> None:
+        """Replace a settled block's per-task records by a ``FoldedBlock``; the counts
+        per state stay as its results say (a deferring view learns them here)."""
+        key = (bref.workflow, bref.experiment)
+        batches = [(k, rev, data) for k, (rev, data) in self._batches.pop(bref, {}).items()]
+        batches += self._deferred.pop(bref, [])
+        final = decided_states(batches)
+        counts, indices = self.counts[key], self.open.get(key, set())
+        params: list[dict[str, Any]] = []
+        states: Counter[str] = Counter()
+        for offset in range(size):
+            ref = bref.task(offset)
+            params.append(self.tasks.get(ref, {}).get("params", {}))
+            before = self._raw_state(ref)
+            after = final.get(ref.index, before)
+            if before is not None:
+                counts[before] -= 1
+            if after is not None:
+                counts[after] += 1
+                states[after] += 1
+            indices.discard(ref.index)
+            for table in (self.tasks, self.results, self.attempts, self.claims, self._block_of,
+                          self._result_revisions, self._reopened):
+                table.pop(ref, None)  # type: ignore[attr-defined]
+        for per_block in (self._block_indices, self._result_at, self._reopened_at,
+                          self.block_open):
+            per_block.pop(bref, None)  # type: ignore[attr-defined]
+        self.folded[bref] = FoldedBlock(size, states, attempt_tally(batches),
+                                        pack(params, batches))
+
+    def unfold(self, bref: BlockRef) -> None:
+        """Bring a folded block's per-task records back: its keys are applied again from
+        the packed copy, as they first arrived (a change to it is about to be)."""
+        folded = self.folded.pop(bref)
+        self.counts[(bref.workflow, bref.experiment)].subtract(folded.states)
+        for table in (self._result_at, self._reopened_at, self._decided):
+            table.pop(bref, None)  # type: ignore[attr-defined]
+        params, batches = unpack(folded.packed)
+        self._thawing.add(bref)  # not to be folded again on the way
+        try:
+            self._apply_block(list(bref.path.split("/")), {"params": params}, 0, 0)
+            for key, mrev, data in sorted(batches, key=lambda batch: batch[1]):
+                if key not in folded.dropped:
+                    self._apply_bdone(key.split("/"), data, 0, mrev)
+        finally:
+            self._thawing.discard(bref)
+
+    def _drop_folded(self, bref: BlockRef) -> None:
+        """A folded block was deleted (its workflow is): forget it and its counts."""
+        key = (bref.workflow, bref.experiment)
+        self.counts[key].subtract(self.folded.pop(bref).states)
+        self.blocks[key].pop(bref.first, None)
+        self._firsts.pop(key, None)
+        self._decided.pop(bref, None)
+
+    def folded_attempts(self) -> Counter[AttemptKey]:
+        """The attempts of every folded block, counted as the metrics count them."""
+        total: Counter[AttemptKey] = Counter()
+        for folded in self.folded.values():
+            total.update(folded.attempts)
+        return total
 
     def batched(self, wid: str, experiment: str) -> bool:
         """Whether the experiment's tasks were written in blocks."""

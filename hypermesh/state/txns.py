@@ -11,6 +11,7 @@ guarded by a compare, so the invariants hold whatever the timing:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -19,13 +20,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypermesh.errors import NotFound, UsageError
+from hypermesh.recipe.plan import plan_tasks
 from hypermesh.state.etcd import MAX_TXN_OPS, Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.records import TERMINAL, Attempt, WorkflowRecord, dumps
+from hypermesh.state.settings import load_settings
 
 MAX_TXN_BYTES = 512 * 1024
 """Bytes of keys and values one expansion transaction writes at most (etcd's request
 limit is 1.5 MiB by default)."""
+
+MAX_TXN_TASKS = 1024
+"""Tasks one expansion transaction writes at most: every agent's mirror applies a
+transaction at once, so its size bounds how long that holds the agent's loop."""
+
+INLINE_VALUES = 256
+"""Tasks of an expansion serialised on the event loop; more are serialised in a thread."""
 
 
 def new_workflow_id(name: str) -> str:
@@ -36,12 +46,28 @@ def new_workflow_id(name: str) -> str:
     return f"{stem or 'wf'}-{secrets.token_hex(3)}"
 
 
-def state_value(state: str) -> bytes:
-    return dumps({"state": state})
+def state_value(state: str, reason: str | None = None, ended_at: float | None = None) -> bytes:
+    """A workflow state key's value; ``reason`` says why it ended so when the leader
+    failed it itself (its planning raised), and is absent otherwise. A final state also
+    records when the workflow ended (``ended_at``, wall-clock seconds), which retention
+    counts from (``agent/leader/retention.py``); values written before it have none."""
+    value: dict[str, Any] = {"state": state}
+    if reason is not None:
+        value["reason"] = reason
+    if ended_at is not None:
+        value["ended_at"] = ended_at
+    return dumps(value)
 
 
 async def submit_workflow(etcd: Etcd, ks: Keyspace, wf: WorkflowRecord) -> None:
-    """Store a workflow and its pending state in one transaction (ids never collide)."""
+    """Store a workflow and its pending state in one transaction (ids never collide).
+
+    Refuses (``UsageError``, nothing written) a recipe that plans more tasks than the
+    mesh's ``max-workflow-tasks`` (``hypermesh/recipe/plan.py``)."""
+    settings, _ = await load_settings(etcd, ks)
+    plan = plan_tasks(wf.recipe, settings.max_workflow_tasks)
+    if plan.over:
+        raise UsageError(plan.refusal())
     result = await etcd.txn(
         [etcd.absent(ks.workflow(wf.id))],
         [
@@ -70,7 +96,8 @@ async def cancel_workflow(etcd: Etcd, ks: Keyspace, wid: str) -> tuple[str, bool
             else etcd.absent(ks.workflow_state(wid))
         )
         done = await etcd.txn(
-            [guard], [etcd.op_put(ks.workflow_state(wid), state_value("cancelled"))]
+            [guard],
+            [etcd.op_put(ks.workflow_state(wid), state_value("cancelled", ended_at=time.time()))],
         )
         if done.succeeded:
             return "cancelled", True
@@ -94,11 +121,14 @@ async def set_workflow_state(
     state: str,
     state_revision: int | None = None,
     summary: dict[str, Any] | None = None,
+    reason: str | None = None,
 ) -> bool:
     """Move a workflow from ``expected`` to ``state``; False if someone changed it first
     (with ``state_revision``, also if anyone rewrote the state key since). The leader
-    passes the workflow's ``summary`` in that state, published with it."""
-    puts = [etcd.op_put(ks.workflow_state(wid), state_value(state))]
+    passes the workflow's ``summary`` in that state, published with it, and a
+    ``reason`` when it fails a workflow whose planning raised."""
+    ended = time.time() if state in TERMINAL else None
+    puts = [etcd.op_put(ks.workflow_state(wid), state_value(state, reason, ended))]
     if summary is not None:
         puts.append(etcd.op_put(ks.progress(wid), dumps(summary)))
     done = await etcd.txn(
@@ -158,17 +188,10 @@ async def expand_experiment(
     guard = (
         [etcd.value_is(marker, dumps({"count": start}))] if start else [etcd.absent(marker)]
     ) + state_guard(etcd, ks, wid, state_revision)
-    if block > 1:
-        values = [
-            (ks.block(BlockRef(wid, experiment, start + i)),
-             dumps({"params": list(params[i : i + block])}))
-            for i in range(0, len(params), block)
-        ]
+    if len(params) > INLINE_VALUES:  # serialising a page must not hold the loop
+        values = await asyncio.to_thread(_page_values, ks, wid, experiment, params, start, block)
     else:
-        values = [
-            (ks.task(TaskRef(wid, experiment, start + i)), dumps({"params": p}))
-            for i, p in enumerate(params)
-        ]
+        values = _page_values(ks, wid, experiment, params, start, block)
     first_guard = list(guard)
     if seen_revision is not None:
         first_guard += [
@@ -180,7 +203,8 @@ async def expand_experiment(
     for n, (key, value) in enumerate(values):
         txn.append(etcd.op_put(key, value))
         size += len(key) + len(value)
-        if len(txn) == MAX_TXN_OPS or size > MAX_TXN_BYTES or n == len(values) - 1:
+        full = len(txn) == MAX_TXN_OPS or len(txn) * block >= MAX_TXN_TASKS
+        if full or size > MAX_TXN_BYTES or n == len(values) - 1:
             done = await etcd.txn(first_guard, txn)
             if not done.succeeded:
                 return False
@@ -188,6 +212,23 @@ async def expand_experiment(
     total = start + len(params) if count is None else count
     done = await etcd.txn(guard, [etcd.op_put(marker, dumps({"count": total}))])
     return done.succeeded
+
+
+def _page_values(
+    ks: Keyspace, wid: str, experiment: str, params: Sequence[dict[str, Any]], start: int,
+    block: int,
+) -> list[tuple[str, bytes]]:
+    """The keys and values of tasks ``start..`` with ``params`` (blocks of ``block``)."""
+    if block > 1:
+        return [
+            (ks.block(BlockRef(wid, experiment, start + i)),
+             dumps({"params": list(params[i : i + block])}))
+            for i in range(0, len(params), block)
+        ]
+    return [
+        (ks.task(TaskRef(wid, experiment, start + i)), dumps({"params": p}))
+        for i, p in enumerate(params)
+    ]
 
 
 @dataclass(frozen=True)

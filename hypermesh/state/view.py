@@ -13,10 +13,12 @@ The methods here only read: the tables, and who may change them, are
 from __future__ import annotations
 
 from collections import Counter
+from itertools import islice
 from typing import Any
 
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.recipe.sampling import planned_count
+from hypermesh.state.fit import unmet_needs
 from hypermesh.state.gangs import waiting_reason
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.mirror import Mirror
@@ -52,7 +54,13 @@ class MeshView(Mirror):
         return sorted(ref for ref, c in self.claims.items() if c.node == node)
 
     def workflow_state(self, wid: str) -> str:
-        return self.workflow_states.get(wid, "pending")
+        """The stored state; a workflow that is no longer stored (deleted, or its keys
+        still being purged: ``hypermesh/state/cleanup.py``) counts as cancelled, so
+        nothing of it runs or is claimed."""
+        state = self.workflow_states.get(wid)
+        if state is None:
+            return "pending" if wid in self.workflows else "cancelled"
+        return state
 
     def task_refs(self, wid: str, experiment: str | None = None) -> list[TaskRef]:
         return sorted(
@@ -60,6 +68,24 @@ class MeshView(Mirror):
             for r in self.tasks
             if r.workflow == wid and (experiment is None or r.experiment == experiment)
         )
+
+    def no_such_task(self, ref: TaskRef) -> str | None:
+        """Why ``ref`` names no task of its workflow, or None when it does (whether or not
+        the task was created yet). Reads the workflow record, and the experiment's
+        ``expanded`` and live-change records when they are mirrored."""
+        wf = self.workflows.get(ref.workflow)
+        if wf is None:
+            return f"no task {ref}: there is no workflow {ref.workflow!r}"
+        names = [e.name for e in wf.recipe.experiments]
+        where = f"no task {ref} in workflow {ref.workflow}"
+        if ref.experiment not in names:
+            return f"{where}: its experiments are {', '.join(names)}"
+        exp = wf.recipe.experiment(ref.experiment)
+        count = max(self.expanded.get((ref.workflow, ref.experiment)) or 0,
+                    self.target_count(ref.workflow, exp))
+        if ref.index >= count:
+            return f"{where}: experiment {ref.experiment} has tasks 0 to {count - 1}"
+        return None
 
     def control(self, wid: str, experiment: str) -> ExperimentControl:
         """The live changes made to an experiment (none: the recipe as submitted)."""
@@ -126,10 +152,10 @@ class MeshView(Mirror):
                 return ExperimentSummary("cancelled", total, cancelled=total)
             return ExperimentSummary("pending", total, pending=total)
         counts = self.counts.get((wf.id, exp.name), Counter())
-        # Samples added live count from the moment they are asked for, before the
-        # leader writes their tasks; a cancelled experiment gets no more.
-        if not stopped:
-            count = max(count, self.target_count(wf.id, exp))
+        # Tasks count from the moment they are planned, before the leader writes them
+        # (it writes a large experiment page by page, and samples added live later):
+        # those of a stopped experiment never written count as cancelled.
+        count = max(count, self.target_count(wf.id, exp))
         count = max(count, sum(counts.values()))
         summary = ExperimentSummary("pending", count)
         summary.running = counts["running"]
@@ -151,7 +177,8 @@ class MeshView(Mirror):
         return summary
 
     def workflow_summary(self, wid: str) -> dict[str, Any]:
-        """The ``hypermesh status --json`` object of one workflow."""
+        """The ``hypermesh status --json`` object of one workflow (with ``reason`` when
+        the leader failed it because its planning raised)."""
         wf = self.workflows[wid]
         experiments = {exp.name: self.experiment_summary(wf, exp) for exp in wf.recipe.experiments}
         stored = self.workflow_state(wid)
@@ -165,13 +192,23 @@ class MeshView(Mirror):
             "state": state,
             "submitted_at": wf.submitted_at,
             "experiments": {
-                name: s.to_json() | self._gang_waiting(wf, name) for name, s in experiments.items()
+                name: s.to_json() | self._waiting(wf, name, s) for name, s in experiments.items()
             },
-        }
+        } | self.failure_reason(wid)
 
-    def _gang_waiting(self, wf: WorkflowRecord, name: str) -> dict[str, str]:
-        """``{"waiting": why}`` for a gang experiment whose oldest pending task waits."""
+    def failure_reason(self, wid: str) -> dict[str, str]:
+        """``{"reason": why}`` when the leader failed the workflow itself (its planning
+        raised, ``agent/leader/policy.py``); empty otherwise."""
+        reason = self.workflow_reasons.get(wid)
+        return {} if reason is None else {"reason": reason}
+
+    def _waiting(self, wf: WorkflowRecord, name: str, s: ExperimentSummary) -> dict[str, str]:
+        """``{"waiting": why}`` for an experiment with pending tasks that no live node may
+        run, or a gang experiment whose oldest pending task waits."""
         exp = wf.recipe.experiment(name)
+        unmet = unmet_needs(exp, self.nodes.values()) if s.pending else None
+        if unmet is not None:
+            return {"waiting": unmet}
         if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
             return {}
         for index in sorted(self.open.get((wf.id, name), ())):
@@ -215,12 +252,44 @@ class MeshView(Mirror):
             "pruned": self.pruned(ref),
         } | self._task_waiting(ref)
 
+    def task_rows(self, wid: str, experiment: str | None = None) -> list[dict[str, Any]]:
+        """``hypermesh tasks --json``: every task of the workflow (or of one experiment), in
+        id order, with the tasks ``status`` counts as cancelled that were never written (an
+        experiment cancelled, or stopped by a failed dependency, before its tasks were
+        created): those have no parameters and no attempts. Tasks of folded blocks are
+        left out (as they always were), and not taken for unwritten ones."""
+        rows = [self.task_json(ref) for ref in self.task_refs(wid, experiment)]
+        wf = self.workflows[wid]
+        unwritten: list[dict[str, Any]] = []
+        for exp in wf.recipe.experiments:
+            if experiment is not None and exp.name != experiment:
+                continue
+            listed = [r for r in rows if r["experiment"] == exp.name]
+            folded = [(b.first, f) for b, f in self.folded.items()
+                      if (b.workflow, b.experiment) == (wid, exp.name)]
+            missing = self.experiment_summary(wf, exp).cancelled - sum(
+                r["state"] == "cancelled" for r in listed
+            ) - sum(f.states["cancelled"] for _, f in folded)
+            written = {r["index"] for r in listed}
+            written.update(i for first, f in folded for i in range(first, first + f.size))
+            free = (i for i in range(len(written) + missing) if i not in written)
+            for index in islice(free, max(0, missing)):
+                unwritten.append(
+                    {"id": TaskRef(wid, exp.name, index).id, "experiment": exp.name,
+                     "index": index, "params": {}, "state": "cancelled", "node": None,
+                     "attempts": [], "metrics": {}, "pruned": False}
+                )
+        if not unwritten:
+            return rows
+        return sorted(rows + unwritten, key=lambda r: (r["experiment"], r["index"]))
+
     def _task_waiting(self, ref: TaskRef) -> dict[str, str]:
         wf = self.workflows.get(ref.workflow)
         if wf is None or self.task_state(ref) != "pending":
             return {}
-        reason = waiting_reason(ref, wf.recipe.experiment(ref.experiment), self.gangs,
-                                self.nodes, self.claims, self.results)
+        exp = wf.recipe.experiment(ref.experiment)
+        reason = unmet_needs(exp, self.nodes.values()) or waiting_reason(
+            ref, exp, self.gangs, self.nodes, self.claims, self.results)
         return {} if reason is None else {"waiting": reason}
 
     def task_metrics(self, ref: TaskRef) -> dict[str, float]:

@@ -478,8 +478,8 @@ def test_put_rides_out_an_s3_server_restart(
         try:
             # Only once the put has run into the stopped server: it must retry.
             wait_for(lambda: own_store.failures, 20, "the put to meet the stopped server")
+            restarted.append(time.monotonic())  # before: the put may finish before start returns
             own_s3.start(timeout=30)
-            restarted.append(time.monotonic())
         except BaseException as exc:
             errors.append(exc)
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from hypermesh.agent.claims.choose import LocalLoad, choose_claims, fits, gpu_type_matches
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 from hypermesh.recipe.recipe import Hardware, parse_recipe
+from hypermesh.state.fit import fits, gpu_type_matches
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import NodeRecord, WorkflowRecord, dumps
 from hypermesh.state.txns import ClaimPlan

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hypermesh.agent.claims.choose import LocalLoad, choose_claims, fits
+from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 from hypermesh.agent.claims.locality import Locality
 from hypermesh.agent.claims.placement import Placement, held, prune_since
 from hypermesh.chunkfs.coverage import CoverageCache, covered_chunks
@@ -25,6 +25,7 @@ from hypermesh.config import AgentConfig, parse_locality_delay
 from hypermesh.errors import RecipeError, UsageError
 from hypermesh.recipe.inputs import input_problems, render_input
 from hypermesh.recipe.recipe import parse_recipe
+from hypermesh.state.fit import fits
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.records import NodeRecord
 from tests.chunkfs.test_chunkfs_manifest import build

@@ -66,4 +66,6 @@ def test_submit_warns_when_no_preferred_pool_exists(mesh: Mesh) -> None:
     assert ("warning: experiment 'e': no preferred pool (onprem) is declared or has a live "
             "node; the preference does nothing until one does") in result.stderr
     mesh.hm("pool", "set", "onprem", check=True)
-    assert "warning" not in mesh.hm("submit", str(recipe), check=True).stderr
+    again = mesh.hm("submit", str(recipe), check=True).stderr
+    assert "preferred pool" not in again  # (no node is live yet: that warning stays)
+    assert "no live node in the mesh" in again

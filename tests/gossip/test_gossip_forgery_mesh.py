@@ -100,12 +100,12 @@ def test_forged_deaths_and_ghosts_neither_kill_a_busy_member_nor_break_the_table
     stood_down = "not acting on node2's death: our probe did not confirm it"
     wait_for(
         lambda: stood_down in leader.log_tail(20000),
-        15,
+        45,
         "the leader to probe node2 and stand down",
     )
     wait_for(
         lambda: all(members(a)["node2"].state == "alive" for a in others),
-        15,
+        45,
         "node2 to refute the death everywhere",
     )
     time.sleep(QUIET_S)

@@ -7,9 +7,18 @@ from typing import Any
 
 import pytest
 
-from hypermesh.agent.leader.policy import Expand, SetState, plan
+from hypermesh.agent.leader.policy import (
+    BACKLOG_BLOCKS_PER_SLOT,
+    BACKLOG_MIN_TASKS,
+    Expand,
+    Extend,
+    SetState,
+    backlog,
+    block_of,
+    plan,
+)
 from hypermesh.recipe.recipe import parse_recipe
-from hypermesh.state.keyspace import Keyspace, TaskRef
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.records import WorkflowRecord, dumps
 from hypermesh.state.view import MeshView
 
@@ -226,3 +235,90 @@ def test_plan_is_a_pure_read_of_the_view() -> None:
     assert plan(feed.view) == before
     assert feed.view.expanded == {}
     assert feed.view.workflow_state("w") == "pending"
+
+
+# ---------------------------------------------------------------- a failure stays in its workflow
+def test_a_workflow_whose_planning_raises_is_failed_alone() -> None:
+    """A recipe that cannot be planned (a range without ``samples`` that got into etcd
+    past the loader) fails its own workflow, with the error as the reason; a workflow
+    submitted after it is planned as usual."""
+    feed = Feed()
+    feed.workflow("broken", submitted_at=100.0)
+    wf = feed.view.workflows["broken"].to_json()
+    wf["recipe"]["experiments"][0]["parameters"] = [
+        {"name": "x", "kind": "range", "low": 0.0, "high": 1.0}
+    ]
+    wf["recipe"]["experiments"][0]["samples"] = None
+    feed.put(feed.ks.workflow("broken"), wf)
+    feed.workflow("fine", submitted_at=200.0)
+    actions = plan(feed.view)
+    failed, *rest = actions
+    assert isinstance(failed, SetState) and (failed.workflow, failed.state) == ("broken", "failed")
+    assert failed.reason is not None and failed.reason.startswith("planning failed: ValueError")
+    assert "samples" in failed.reason
+    assert rest == [
+        Expand("fine", "a"), Expand("fine", "b"), SetState("fine", "pending", "running"),
+    ]
+
+
+def test_a_workflow_record_that_cannot_be_read_is_failed() -> None:
+    feed = Feed()
+    feed.workflow("fine")
+    feed.put(feed.ks.workflow("garbled"), {"id": "garbled", "name": "g", "recipe": {}})
+    feed.state("garbled", "pending")
+    assert "garbled" not in feed.view.workflows
+    (*_, failed) = plan(feed.view)
+    assert (failed.workflow, failed.expected, failed.state) == ("garbled", "pending", "failed")
+    assert isinstance(failed, SetState) and "cannot be read" in (failed.reason or "")
+    feed.state("garbled", "failed")
+    assert all(a.workflow == "fine" for a in plan(feed.view))
+
+
+# ---------------------------------------------------------------- bounded work (issue 22)
+LARGE = """
+experiments:
+  big: {samples: 10000, command: ["true"]}
+"""
+
+
+def test_a_large_experiment_is_written_page_by_page_as_its_backlog_runs_low() -> None:
+    """The leader writes a large experiment's first page (``backlog``: whole blocks,
+    ``BACKLOG_MIN_TASKS`` on a small mesh), then the next each time the tasks written
+    and not finished fall below a page, never past the planned count."""
+    feed = Feed()
+    feed.workflow("w", recipe=LARGE)
+    (expand, _) = plan(feed.view)
+    assert isinstance(expand, Expand) and expand.count == BACKLOG_MIN_TASKS
+    block = 256  # MAX_BLOCK: 10,000 tasks on a mesh of no slots yet
+
+    def write(start: int, count: int) -> None:
+        for first in range(start, start + count, block):
+            feed.put(feed.ks.block(BlockRef("w", "big", first)), {"params": [{}] * block})
+        feed.put(feed.ks.expanded("w", "big"), {"count": start + count})
+
+    def decide(first: int) -> None:
+        feed.put(feed.ks.block_batch(BlockRef("w", "big", first), 1, first), {
+            "node": "n", "r": [[i, "succeeded", 1, 0, 1.0] for i in range(first, first + block)],
+        })
+
+    write(0, expand.count)
+    feed.state("w", "running")
+    assert plan(feed.view) == []  # a full page waits
+    decide(0)
+    assert plan(feed.view) == [Extend("w", "big", 4096, 4096)]
+    write(4096, 4096)
+    for first in range(256, 8192, block):
+        decide(first)
+    assert plan(feed.view) == [Extend("w", "big", 8192, 10000 - 8192)]
+    summary = feed.view.workflow_summary("w")["experiments"]["big"]
+    assert (summary["total"], summary["succeeded"], summary["pending"]) == (10000, 8192, 1808)
+
+
+def test_a_small_mesh_backlog_grows_with_its_slots() -> None:
+    feed = Feed()
+    feed.workflow("w", recipe=LARGE.replace("10000", "1000000"))
+    for n in range(8):
+        feed.put(feed.ks.node(f"n{n}"), {"name": f"n{n}", "address": "x:1", "slots": 4})
+    exp = feed.view.workflows["w"].recipe.experiment("big")
+    assert block_of(feed.view, "w", exp) == 256
+    assert backlog(feed.view, "w", exp) == BACKLOG_BLOCKS_PER_SLOT * 32 * 256

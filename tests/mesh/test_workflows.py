@@ -137,7 +137,9 @@ experiments:
     assert status["state"] == "failed"
     assert status["experiments"]["flaky"]["state"] == "failed"
     assert status["experiments"]["after_flaky"]["state"] == "cancelled"
-    (task,) = mesh.hm_json("tasks", wid)
+    dependent, task = mesh.hm_json("tasks", wid)  # in id order; the dependent never ran
+    assert (dependent["id"], dependent["state"], dependent["attempts"]) == (
+        f"{wid}.after_flaky.0", "cancelled", [])
     assert task["state"] == "failed"
     assert [(a["attempt"], a["state"], a["exit_code"], a["reason"]) for a in task["attempts"]] == [
         (1, "failed", 3, "exit"),
@@ -406,7 +408,7 @@ def test_unknown_objects_are_clear_errors(mesh: Mesh) -> None:
         assert result.returncode == 1
         assert "no workflow 'nope-123456'" in result.stderr
     result = mesh.hm("logs", "nope-123456.exp.0")
-    assert result.returncode == 1 and "has not run yet" in result.stderr
+    assert result.returncode == 1 and "no workflow 'nope-123456'" in result.stderr
     result = mesh.hm("logs", "not-a-task-id")
     assert result.returncode == 2 and "WORKFLOW.EXPERIMENT.INDEX" in result.stderr
     result = mesh.hm("submit", str(mesh.root / "missing.yaml"))

@@ -123,7 +123,7 @@ def test_dashboard_endpoints_answer_json(mesh: Mesh) -> None:
     status, body = get(f"/api/workflows/{wid}")
     assert status == 200 and body["tasks"] == mesh.hm_json("tasks", wid)
     assert body["dag"] == [{"name": "say", "after": [], "workers": None, "cancelled": False,
-                            "extra_samples": 0}]
+                            "extra_samples": 0, "env": {}, "pass_env": []}]
     status, body = get(f"/api/logs/{wid}.say.0")
     assert status == 200 and "hi-json" in body["text"] and body["running"] is False
     offset = body["offset"]
@@ -134,6 +134,24 @@ def test_dashboard_endpoints_answer_json(mesh: Mesh) -> None:
     status, body = get("/api/nodes")
     assert status == 200 and body["nodes"][0]["name"] == "node1"
     assert body["nodes"][0]["http"] == node.http_address
+
+
+def test_dashboard_says_why_tasks_no_live_node_can_run_wait(
+    mesh: Mesh, browser: WebDriver
+) -> None:
+    node = mesh.agent("node1", slots=1)
+    recipe = mesh.write_recipe(
+        "experiments:\n  train: {samples: 2, hardware: {gpu: k80}, command: ['true']}\n"
+    )
+    wid = mesh.submit(recipe)
+    why = "no live node has gpu k80 (0 of 1 nodes match)"
+    browser.get(f"http://{node.http_address}/")
+    wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+    wait.until(lambda d: text_of(d, f'[data-wid="{wid}"] [data-waiting="train"]') == why)
+    browser.find_element(By.CSS_SELECTOR, f'[data-wid="{wid}"]').click()
+    wait.until(lambda d: why in text_of(d, f'tr[data-task="{wid}.train.1"]'))
+    title = browser.find_element(By.CSS_SELECTOR, 'g[data-exp="train"] title')
+    assert title.get_attribute("textContent") == why  # the DAG box's tooltip
 
 
 def test_a_taken_dashboard_port_fails_the_agent_start(mesh: Mesh) -> None:

@@ -26,10 +26,12 @@ import yaml
 from hypermesh.agent.ops.health import LIVENESS_SERVICE
 from hypermesh.cli.agent import agent_start
 from hypermesh.config import AgentConfig
+from hypermesh.tls import TlsFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "scripts" / "k8s"
 NAMESPACE = "hypermesh"
+TLS_DIR = "/etc/hypermesh/tls"  # where the init container leaves the node's certificate
 KUBERNETES = "1.32.0"  # the schema version checked against (kubectl here is v1.32)
 
 
@@ -184,24 +186,31 @@ def test_args_are_what_the_agent_accepts(pod: dict[str, Any], container: dict[st
     values = {"NODE_NAME": "gpu-node-1", "POD_IP": "10.0.0.7"}
     resolved = [re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], a) for a in args[2:]]
     params = agent_start.make_context("start", resolved).params
+    tls = params["tls_ca"], params["tls_cert"], params["tls_key"]
+    assert all(path.startswith(TLS_DIR + "/") for path in tls)  # the init step's volume
     cfg = AgentConfig.lan(
         name=params["name"], listen=params["listen"], metrics_listen=params["metrics_listen"],
         slots=params["slots"], kill_grace=params["grace"], cache_size=params["cache_size"],
-        work_dir=params["work_dir"],
+        work_dir=params["work_dir"], health_listen=params["health_listen"],
+        tls=TlsFiles(*map(Path, tls)), insecure=params["insecure"],
     )
     assert cfg.listen == "10.0.0.7:7070" and cfg.name == "gpu-node-1"
+    mounts = {m["name"]: m["mountPath"] for m in typed(container, "volumeMounts", list)}
+    assert mounts["tls"] == TLS_DIR
     # Room for the tasks' grace period and the drain's own steps before SIGKILL.
     assert typed(pod, "terminationGracePeriodSeconds", int) > cfg.kill_grace + 10
 
 
-def test_probes_use_grpc_health_on_the_agent_port(container: dict[str, Any]) -> None:
+def test_probes_use_grpc_health_on_the_plaintext_health_port(container: dict[str, Any]) -> None:
+    """Kubelet's grpc probes show no client certificate: they ask --health-listen."""
     args = _args(container)
     ports = {p["name"]: p["containerPort"] for p in typed(container, "ports", list)}
     assert _flag(args, "--listen").endswith(f":{ports['grpc']}")
     assert _flag(args, "--metrics-listen").endswith(f":{ports['metrics']}")
+    assert _flag(args, "--health-listen").endswith(f":{ports['health']}")
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         grpc_probe = typed(container, f"{probe}.grpc", dict)
-        assert typed(grpc_probe, "port", int) == ports["grpc"]  # a number: names not allowed
+        assert typed(grpc_probe, "port", int) == ports["health"]  # a number: names not allowed
         assert set(grpc_probe) <= {"port", "service"}
     assert container["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE
     assert container["startupProbe"]["grpc"]["service"] == LIVENESS_SERVICE

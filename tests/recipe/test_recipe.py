@@ -604,6 +604,33 @@ def test_yaml_syntax_error_has_the_parser_line() -> None:
     )
     assert p.line == 4 and p.path == ""
     assert "YAML" in p.message
+    assert "quoted" not in p.message  # no placeholder on the line: no hint
+
+
+@pytest.mark.parametrize(
+    "command", ["[echo {{x}}]", "[echo {{x}}, done]", "{{x}} --fast"], ids=["list", "two", "start"]
+)
+def test_an_unquoted_placeholder_names_the_line_and_suggests_quotes(command: str) -> None:
+    (p,) = problems(
+        f"""
+        experiments:
+          e:
+            parameters: {{x: {{values: [1]}}}}
+            command: {command}
+        """
+    )
+    assert p.line == 4 and "YAML syntax error" in p.message
+    assert 'must be quoted: command: ["echo {{x}}"]' in p.message
+    assert str(p).startswith("r.yaml:4: ")
+    quoted = parse_recipe(doc(
+        """
+        experiments:
+          e:
+            parameters: {x: {values: [1]}}
+            command: ["echo {{x}}"]
+        """
+    ))
+    assert quoted.experiment("e").command == ("echo {{x}}",)
 
 
 def test_unclosed_flow_sequence_line() -> None:

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from hypermesh.recipe.recipe import Experiment, Parameter, load_recipe
-from hypermesh.recipe.sampling import expand, experiment_seed, grid_size, planned_count
+from hypermesh.recipe.sampling import (
+    expand,
+    expand_more,
+    experiment_seed,
+    grid_size,
+    planned_count,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,3 +176,57 @@ def test_experiment_seed_is_stable_across_processes() -> None:
         outputs.add(result.stdout.strip())
     assert len(outputs) == 1
     assert outputs == {str(experiment_seed(7, Experiment(name="mnist", command=("x",))))}
+
+
+# ---------------------------------------------------------------- pages (issue 22)
+PAGED = [
+    exp(LETTERS, NUMBERS, samples=1000),  # rounds of 6, a partial last one
+    exp(LETTERS, LR, NUMBERS, samples=3001),  # several streams of rounds and of draws
+    exp(Parameter("k", "range", low=2, high=9, sampling="int"), samples=2500),
+    exp(LETTERS, NUMBERS),  # the grid in product order, then shuffled rounds past it
+    exp(Parameter("x", "values", values=tuple(range(70_000))), samples=3_000),  # keyed
+    exp(samples=50),
+]
+
+
+@pytest.mark.parametrize("e", PAGED, ids=lambda e: str(planned_count(e)))
+def test_any_page_is_the_same_as_the_full_expansion(e: Experiment) -> None:
+    """``expand_more`` draws a range of tasks without those before it, and gets exactly
+    what full expansion gives them, wherever the page starts and ends."""
+    n = planned_count(e)
+    full = expand(e, seed=17)
+    assert len(full) == n
+    cuts = sorted({0, n, 1, n // 3, n // 2 + 5, n - 1, 1023, 1024, 4095, 4097} & set(range(n + 1)))
+    for lo, hi in itertools.pairwise(cuts):
+        assert expand_more(e, 17, lo, hi - lo) == full[lo:hi], (lo, hi)
+    # Pages of every size from 0 cover it too, and past the end come added samples.
+    for size in (1, 7, 1000) if n <= 1000 else (997,):
+        paged = [t for lo in range(0, n, size) for t in expand_more(e, 17, lo, min(size, n - lo))]
+        assert paged == full, size
+    more = expand_more(e, 17, n, 40)
+    assert len(more) == 40 and expand_more(e, 17, n + 10, 5) == more[10:15]
+
+
+def test_added_samples_continue_minimal_repetition() -> None:
+    """Samples added live (past the planned count) continue the rounds: over the whole
+    experiment every combination still appears floor or ceil(n/|P|) times."""
+    e = exp(LETTERS, NUMBERS, samples=7)
+    tasks = expand(e, seed=2) + expand_more(e, 2, 7, 4) + expand_more(e, 2, 11, 6)
+    counts = Counter((t["letter"], t["number"]) for t in tasks)
+    assert sorted(counts.values()) == [2, 3, 3, 3, 3, 3]  # 17 over 6 combinations
+
+
+def test_a_product_too_large_to_list_is_drawn_per_index() -> None:
+    """64 two-valued parameters (2**64 combinations): three samples are three distinct
+    combinations, drawn without listing the product."""
+    params = tuple(Parameter(f"p{i}", "values", values=(0, 1)) for i in range(64))
+    tasks = expand(exp(*params, samples=3), seed=4)
+    assert len({tuple(t.values()) for t in tasks}) == 3
+    assert expand_more(exp(*params, samples=3), 4, 1, 2) == tasks[1:]
+
+
+def test_a_parameter_without_values_or_integers_is_refused_at_expansion() -> None:
+    with pytest.raises(ValueError, match="has no values"):
+        expand(exp(Parameter("x", "values", values=()), samples=3), seed=1)
+    with pytest.raises(ValueError, match="no integer"):
+        expand(exp(Parameter("k", "range", low=2.2, high=2.8, sampling="int"), samples=2), 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hypermesh.state.keyspace import Keyspace, TaskRef
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 
 # ------------------------------------------------------------------ TaskRef
 
@@ -113,17 +113,21 @@ def test_kind_prefix_with_and_without_a_workflow() -> None:
 
 def test_workflow_prefixes_cover_every_key_of_the_workflow() -> None:
     # The list mixes range prefixes (ending in "/") with the exact keys wf/<wid>,
-    # wfstate/<wid> and progress/<wid>; callers range-read only the former (an exact
-    # key used as a prefix would also match wf/<wid>2).
+    # wfstate/<wid>, progress/<wid> and wfusage/<wid>; callers range-read only the former
+    # (an exact key used as a prefix would also match wf/<wid>2).
     ks = Keyspace("t")
     ref = TaskRef("w", "e", 0)
+    block = BlockRef("w", "e", 0)
     found = ks.workflow_prefixes("w")
     ranges = [p for p in found if p.endswith("/")]
     exact = [p for p in found if not p.endswith("/")]
-    assert sorted(exact) == sorted([ks.workflow("w"), ks.workflow_state("w"), ks.progress("w")])
+    assert sorted(exact) == sorted([ks.workflow("w"), ks.workflow_state("w"), ks.progress("w"),
+                                    ks.workflow_usage("w")])
     ranged = [
         ks.expanded("w", "e"), ks.task(ref), ks.claim(ref), ks.attempt(ref, 1), ks.result(ref),
-        ks.slot("w", "e", 0), ks.experiment_control("w", "e"),
+        ks.slot("w", "e", 0), ks.experiment_control("w", "e"), ks.metrics(ref, 1),
+        ks.gang_seat(ref, 0), ks.gang_rendezvous(ref), ks.gang_end(ref, 1, 0),
+        ks.block(block), ks.block_claim(block), ks.block_batch(block, 1, 1),
     ]
     for key in ranged:
         assert any(key.startswith(p) for p in ranges), key

@@ -272,6 +272,22 @@ def test_a_failed_task_fails_the_experiment_and_cancels_its_dependents() -> None
     # train is blocked by prep, report by train: both are cancelled without being expanded
     assert summary(feed, "w", "train") == counts("cancelled", 2, cancelled=2)
     assert summary(feed, "w", "report") == counts("cancelled", 1, cancelled=1)
+    # ... and `tasks` lists them as status counts them: cancelled, never written.
+    rows = feed.view.task_rows("w")
+    assert [(r["id"], r["state"]) for r in rows] == [
+        ("w.prep.0", "succeeded"), ("w.prep.1", "failed"), ("w.prep.2", "cancelled"),
+        ("w.report.0", "cancelled"), ("w.train.0", "cancelled"), ("w.train.1", "cancelled"),
+    ]
+    assert rows[5] == {
+        "id": "w.train.1", "experiment": "train", "index": 1, "params": {},
+        "state": "cancelled", "node": None, "attempts": [], "metrics": {}, "pruned": False}
+    assert [r["id"] for r in feed.view.task_rows("w", "train")] == ["w.train.0", "w.train.1"]
+    # A cancelled workflow whose experiment was expanded in part: the rest is listed too.
+    feed.workflow("v", SINGLE, state="running")
+    feed.put(feed.ks.task(TaskRef("v", "e", 1)), {"params": {"x": "b"}})
+    feed.state("v", "cancelled")
+    assert [(r["index"], r["params"]) for r in feed.view.task_rows("v")] == [
+        (0, {}), (1, {"x": "b"}), (2, {})]
 
 
 def test_a_cancelled_task_without_failures_cancels_the_experiment() -> None:
@@ -311,6 +327,7 @@ def test_a_cancelled_workflow_still_shows_a_task_that_has_not_stopped_yet() -> N
 def test_workflow_summary_has_exactly_the_status_json_shape() -> None:
     feed = Feed()
     feed.workflow("w", submitted_at=1234.5, state="running")
+    feed.node("n1")  # a node that may run every experiment: nothing waits for hardware
     a, _, _ = feed.expand("w", "prep", 3)
     feed.claim(a)
     assert feed.view.workflow_summary("w") == {

@@ -64,10 +64,13 @@ function renderWorkflows(data) {
       h("div", { class: "wf" + (w.id === ui.wid ? " chosen" : ""), "data-wid": w.id,
                  onclick: () => chooseWorkflow(w.id) },
         h("div", {}, h("b", {}, w.name), " ", h("span", { class: "muted" }, w.id), " ", badge(w.state)),
-        Object.entries(w.experiments).map(([name, e]) =>
+        Object.entries(w.experiments).flatMap(([name, e]) => [
           h("div", { class: "exp", "data-exp": name },
             h("span", {}, name), progressBar(e),
-            h("span", { class: "muted" }, `${e.succeeded + e.failed + e.cancelled}/${e.total}`))))));
+            h("span", { class: "muted" }, `${e.succeeded + e.failed + e.cancelled}/${e.total}`)),
+          // Why its pending tasks cannot start (no live node has the hardware, a gang short of nodes).
+          ...(e.waiting ? [h("div", { class: "waiting", "data-waiting": name }, e.waiting)] : []),
+        ]))));
 }
 
 function chooseWorkflow(wid) {
@@ -111,6 +114,7 @@ function renderDag(dag, status) {
     const p = pos[d.name];
     const done = e.succeeded + e.failed + e.cancelled;
     const g = svg("g", { "data-exp": d.name, "data-state": e.state });
+    if (e.waiting) g.append(svg("title", {}, e.waiting));
     g.append(svg("rect", { x: p.x, y: p.y, width: W, height: H, rx: 6, fill: colors[e.state] || "#eee", stroke: "#9aa3ad" }));
     g.append(svg("text", { x: p.x + 8, y: p.y + 18 }, d.name + (d.cancelled ? " (cancelled)" : "")));
     g.append(svg("text", { x: p.x + 8, y: p.y + 36, fill: "#58606b" },
@@ -128,7 +132,8 @@ function renderTasks(tasks) {
                      "data-state": t.state, onclick: () => chooseTask(t.id) },
       h("td", {}, t.id), h("td", {}, badge(t.state)), h("td", {}, t.node || "-"),
       h("td", {}, t.attempts.length), h("td", {}, last.exit_code ?? "-"),
-      h("td", { class: "muted" }, Object.entries(t.params).map(([k, v]) => `${k}=${v}`).join(" ")));
+      h("td", { class: "muted" }, Object.entries(t.params).map(([k, v]) => `${k}=${v}`).join(" "),
+        t.waiting ? h("div", { class: "waiting" }, t.waiting) : ""));
   }));
   const task = tasks.find((t) => t.id === ui.task);
   if (task) renderAttempts(task);
