@@ -215,7 +215,8 @@ def test_etcd_returns_to_its_size_after_many_workflows_are_deleted(tmp_path: Pat
     mesh = Mesh(server, tmp_path)
     try:
         node = mesh.agent(slots=4)
-        time.sleep(3)  # the agent's first writes settle
+        wait_for(lambda: any(n["leader"] for n in mesh.hm_json("nodes")), 30,
+                 "the agent to register and lead")  # its first writes are in
         start = size_of(server)
         recipe = mesh.write_recipe("experiments:\n  t: {samples: 1000, command: ['true']}\n")
         submits = [
