@@ -152,7 +152,14 @@ def _refusal(u: Update, cur: _Member, sender: str) -> str | None:
 
 
 def _apply_alive(s: SwimState, u: Update, cur: _Member, now: float) -> bool:
-    take_meta = u.meta_json is not None and u.meta_version >= cur.meta_version
+    """An alive row orders by (incarnation, meta version): a higher incarnation's
+    meta is the member's newest whatever its version. Within one life a member's
+    meta version never falls as its incarnation rises; a member restarted under
+    the same name counts its meta versions from 1 again, and once it has refuted
+    the old life's rows it is its new meta, not the old life's, that counts."""
+    take_meta = u.meta_json is not None and (
+        u.incarnation > cur.incarnation or u.meta_version >= cur.meta_version
+    )
     meta_json = u.meta_json if take_meta and u.meta_json is not None else cur.meta_json
     version = u.meta_version if take_meta else cur.meta_version
     if u.incarnation > cur.incarnation:

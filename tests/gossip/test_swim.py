@@ -392,6 +392,34 @@ def test_meta_spreads_with_its_version_and_stale_versions_are_ignored() -> None:
         a.set_meta({"x": "y" * CFG.max_meta_bytes}, 1.0)
 
 
+def test_a_restarted_member_s_new_meta_replaces_its_old_life_s_once_it_refutes() -> None:
+    """A member restarted under its name counts meta versions from 1 again: its
+    refutation (a higher incarnation) carries its new meta, and that meta counts
+    although its version is below what the old life reached."""
+    wire = Wire(["a", "b"])
+    a, b = wire.nodes["a"], wire.nodes["b"]
+    for v in range(5):
+        a.set_meta({"chunks": f"old-{v}"}, 0.0)
+    wire.run_until(1.0)
+    assert b.member("a").meta_version == 5  # type: ignore[union-attr]
+    b.drain_meta_changes()
+    # the new life: same name, a new address, meta version 1, then its refutation
+    reborn = Update.alive("a", "addr-a2", 0, 1, {"chunks": "new"})
+    b.receive(Message("gossip", "a", "addr-a2", updates=(reborn,)), 1.0)
+    assert b.member("a").meta == {"chunks": "old-4"}  # type: ignore[union-attr]
+    refuted = Update.alive("a", "addr-a2", 1, 2, {"chunks": "new"})
+    b.receive(Message("gossip", "a", "addr-a2", updates=(refuted,)), 1.1)
+    view = b.member("a")
+    assert view is not None and view.meta == {"chunks": "new"} and view.incarnation == 1
+    assert b.drain_meta_changes() == ["a"]
+    later = Update.alive("a", "addr-a2", 1, 3, {"chunks": "newer"})  # and it goes on from there
+    b.receive(Message("gossip", "a", "addr-a2", updates=(later,)), 1.2)
+    assert b.member("a").meta == {"chunks": "newer"}  # type: ignore[union-attr]
+    stale = Update.alive("a", "addr-a2", 1, 2, {"chunks": "new"})
+    b.receive(Message("gossip", "a", "addr-a2", updates=(stale,)), 1.3)
+    assert b.member("a").meta == {"chunks": "newer"}  # type: ignore[union-attr]
+
+
 def test_an_update_is_sent_retransmit_limit_times_then_dropped() -> None:
     names = [f"n{i}" for i in range(9)]  # N = 9: limit = 4 * ceil(log10(10)) = 4
     wire = Wire(names)
