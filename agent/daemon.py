@@ -45,7 +45,11 @@ from hypermesh.agent.claims.unsure import UnsureClaims
 from hypermesh.agent.gang.duty import GangDuty
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.duty import Gossip
-from hypermesh.agent.leader.compaction import HousekeepingConfig
+from hypermesh.agent.leader.compaction import (
+    TEST_TIMINGS_ENV,
+    HousekeepingConfig,
+    with_test_timings,
+)
 from hypermesh.agent.leader.duty import LeaderDuty
 from hypermesh.agent.leader.election import Campaign
 from hypermesh.agent.leader.housekeeping import Housekeeping
@@ -180,8 +184,10 @@ class Agent:
         self.burst = BurstDuty(self, burst_cfg)  # acts only while this agent leads
         self.gangs = GangDuty(self)  # seats in gangs (experiments with nodes > 1)
         # Retention, compaction and defragmentation; acts only while this agent leads.
-        self.housekeeping = Housekeeping(self, HousekeepingConfig.local()
-                                         if cfg.preset == "local" else HousekeepingConfig.lan())
+        housekeeping = (HousekeepingConfig.local() if cfg.preset == "local"
+                        else HousekeepingConfig.lan())
+        self.housekeeping = Housekeeping(
+            self, with_test_timings(housekeeping, os.environ.get(TEST_TIMINGS_ENV)))
         self.address = ""
         self.http_address = ""
         self.metrics_address = ""

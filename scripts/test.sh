@@ -17,4 +17,4 @@ if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site" >"
 fi
 rm -rf "$site" "$site.log"
 echo "test: docs built (mkdocs build --strict)" >&2
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"

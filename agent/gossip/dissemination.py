@@ -103,7 +103,7 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> Non
         susp = s._suspicions.get(u.member)
         if susp is None or not susp.confirm(u.source):
             return
-        s._susp_next = min(s._susp_next, susp.deadline())
+        s._confirmed(susp, now)
     elif supersedes(u.state, u.incarnation, cur.state, cur.incarnation):
         s._store(
             u.member,

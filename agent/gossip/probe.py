@@ -2,17 +2,21 @@
 
 Every protocol period this member pings the next member of a shuffled
 round-robin order (:func:`start_probe`); without an ack by the probe timeout it
-asks k others to ping the target for it (:func:`go_indirect`); without an ack
-by the end of the period the target is suspect. It also probes, out of turn,
-suspects that others accused (:func:`confirmation_probes`), and members that
-refused a connection (:func:`start_fast_probe`), which are declared dead when
-``refused_quorum`` members saw them refuse. For others' indirect probes it
+asks k others to ping the target for it (:func:`go_indirect`), chosen among the
+members it heard directly (:func:`heard`), never among those it only heard of,
+which anyone could have made up; without an ack by the end of the period the
+target is suspect. It also probes, out of turn, suspects that others accused and
+helpers that keep missing their nacks (:func:`confirmation_probes`), and members
+that refused a connection (:func:`start_fast_probe`), which are declared dead
+when ``refused_quorum`` members saw them refuse. For others' indirect probes it
 relays pings (:func:`on_ping_req`) and answers each with an ack or a nack.
 
 Suspicion timeouts end here too (:func:`expire_suspicions`): a confirmed one
 is a death, an unconfirmed one gets one last probe first. Local health
-(Lifeguard awareness) rises with probes that fail without nacks and with late
-ticks (:func:`on_late_tick`), and stretches this member's timeouts and period.
+(Lifeguard awareness) rises with probes that fail without the nacks of helpers
+heard directly (:func:`probe_failed`) and with late ticks (:func:`on_late_tick`),
+falls with acks and with failed probes that every helper answered, and stretches
+this member's timeouts and period. Members never heard cannot raise it.
 
 What it guarantees: at most one probe per target, and every probe ends by its
 ``end_at`` (on an ack, a quorum of refusals, every prober's answer about a
@@ -46,6 +50,13 @@ from hypermesh.agent.gossip.members import _LIVE, _Member
 from hypermesh.agent.gossip.state import SwimState, _Probe, _Relay
 from hypermesh.agent.gossip.suspicion import Suspicion, health_scaled, probe_deadline
 
+CHECK_AFTER_MISSES = 2
+"""Nacks a helper may miss, with nothing heard from it in between, before this member
+probes it out of turn. One missed nack is often a lost message; two in a row (likely
+only when the helper is asked often: a small mesh, or one whose table is full of
+members never heard, whose probes all go indirect) suggest the helper is gone,
+and each further silence would raise our local health."""
+
 # ---------------------------------------------------------------- starting probes
 
 
@@ -72,6 +83,15 @@ def confirmation_probes(s: SwimState, now: float, out: list[Outgoing]) -> None:
             continue
         _ping(s, target, rec, now, out)
     s._to_confirm.clear()
+    # Helpers that keep missing nacks (see probe_failed): one that died would otherwise
+    # be asked again and again until our round-robin reaches it, each silence raising
+    # our local health — for hundreds of periods where made-up members fill the table.
+    for target in s._to_check:
+        rec = s._table.get(target)
+        if rec is None or rec.state != ALIVE or target in s._probing:
+            continue
+        _ping(s, target, rec, now, out)
+    s._to_check.clear()
 
 
 def _ping(s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoing]) -> None:
@@ -142,9 +162,12 @@ def _next_target(s: SwimState, now: float) -> str | None:
 
 
 def go_indirect(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -> None:
-    """No ack in time (or the send failed): ask k random alive members to ping."""
+    """No ack in time (or the send failed): ask k random alive members to ping, chosen
+    among those heard directly (see :func:`heard`): a member known only from others'
+    rows may be made up, and one that never answers would count against our health.
+    With none to ask, the probe waits out its end alone."""
     probe.indirect = True
-    helpers = s._random_members(s.cfg.indirect_checks, (s.name, probe.target), (ALIVE,))
+    helpers = s._random_members(s.cfg.indirect_checks, (s.name, probe.target), (ALIVE,), heard=True)
     for helper in helpers:
         rec = s._table.get(helper)
         assert rec is not None
@@ -180,11 +203,28 @@ def check_refused(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) 
 
 
 def probe_failed(s: SwimState, probe: _Probe, now: float, out: list[Outgoing]) -> None:
-    """The probe's end came without an ack."""
+    """The probe's end came without an ack. Each helper that did not answer either
+    (no nack) raises our local health, if we heard it directly, and is probed itself
+    out of turn once it missed ``CHECK_AFTER_MISSES`` in a row; if every helper
+    answered, our health improves as on an ack; with no helpers, the failure raises
+    it if we heard the target directly. Silence from a member never heard says
+    nothing about our own health: it may never have existed."""
     s._end_probe(probe)
     if not probe.direct_refused:
-        missed = probe.sent - probe.answered if probe.sent else 1
-        s._bump_awareness(max(0, missed))
+        if probe.sent:
+            silent = sorted(helper for helper in probe.via if helper not in s._unheard)
+            for helper in silent:
+                misses = s._missed_nacks.get(helper, 0) + 1
+                s._missed_nacks[helper] = misses
+                if misses >= CHECK_AFTER_MISSES:
+                    s._to_check[helper] = None  # probed next tick, out of turn
+            # Every helper answered in time: our own messages and timers work, as
+            # much as an ack would show (else a table full of the dead and the
+            # made-up, whose probes all fail, would never let our health recover).
+            missed = len(silent) if probe.via else -1
+        else:
+            missed = int(probe.target not in s._unheard)
+        s._bump_awareness(missed)
     _fail_target(s, probe, now)
 
 
@@ -223,12 +263,18 @@ def undelivered(s: SwimState, to: str, now: float, refused: bool, out: list[Outg
     for probe in list(s._probes.values()):
         if to in probe.via:
             probe.via.discard(to)
-            probe.answered += 1
             check_refused(s, probe, now, out)
     return handled
 
 
 # ---------------------------------------------------------------- messages
+
+
+def heard(s: SwimState, msg: Message) -> None:
+    """``msg`` came to us from its sender itself (the agent checks the sender against
+    the authenticated peer where connections are authenticated): the sender is heard
+    directly, and may serve as an indirect prober (:func:`go_indirect`)."""
+    s._heard_from(msg.sender, msg.sender_addr)
 
 
 def on_ping(s: SwimState, msg: Message, out: list[Outgoing]) -> None:
@@ -268,7 +314,6 @@ def on_nack(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None
     if probe is None or msg.sender not in probe.via:
         return
     probe.via.discard(msg.sender)
-    probe.answered += 1
     if msg.refused:
         probe.refused_by.add(msg.sender)
     check_refused(s, probe, now, out)

@@ -13,6 +13,11 @@ fields they name):
 * ``_n_live``, ``_dead`` and ``_gone`` agree with the table after every
   :meth:`~SwimState._store` (this member is never in ``_gone``), and
   ``_witnessed`` holds no alive member;
+* ``_unheard`` holds exactly the members of the table that this member has not
+  heard directly at their current address (:meth:`~SwimState._store` adds a
+  member new to the table or whose address changed, :meth:`~SwimState._heard_from`
+  removes one); never this member itself, and never a member of the roster
+  it started from until that member's address changes;
 * the table holds at most ``cfg.max_members`` members (:meth:`~SwimState._make_room`);
 * ``_susp_next`` is never later than the earliest suspicion deadline
   (:meth:`~SwimState._hold_suspicion`, :meth:`~SwimState._drop_suspicion`);
@@ -71,8 +76,8 @@ class _Probe:
     direct_refused: bool = False
     verify: bool = False  # a last check of an unconfirmed suspicion before it becomes a death
     sent: int = 0  # ping_reqs sent
-    answered: int = 0  # ... of which answered: a nack, or our send to the prober failed
-    via: set[str] = field(default_factory=set)  # probers yet to answer
+    via: set[str] = field(default_factory=set)  # probers yet to answer (a nack, or our
+    # send to the prober failed, is an answer)
     refused_by: set[str] = field(default_factory=set)  # probers that saw a refusal
 
 
@@ -124,12 +129,18 @@ class SwimState:
         self._verifying: dict[str, Suspicion] = {}  # expired, unconfirmed, under a last probe
         self._susp_next = _INF
         self._susp_dirty = False
+        self._susp_floor = -_INF  # when a confirmation last brought a deadline forward
         self._probes: dict[int, _Probe] = {}
         self._probing: dict[str, int] = {}  # target -> seq of our probe of it
         self._to_confirm: set[str] = set()  # suspects others accused: probe them ourselves
+        self._to_check: dict[str, None] = {}  # helpers that keep missing nacks: probe them
+        self._missed_nacks: dict[str, int] = {}  # helper -> nacks missed since last heard
         # Members our own probes found silent or refusing since they were last alive,
         # and how: a death we witnessed, not one we only heard of.
         self._witnessed: dict[str, str] = {}
+        # Members known only by hearsay (a row someone sent), never heard directly at
+        # their current address: a name anyone could have made up (see _heard_from).
+        self._unheard: set[str] = set()
         self.refusals = Refusals()  # news refused (see trust.py); the agent logs it
         self._relays: dict[int, _Relay] = {}
         self._seq = 0
@@ -168,6 +179,8 @@ class SwimState:
             self._gone.pop(name, None)
         if rec.state == ALIVE:
             self._witnessed.pop(name, None)
+        if name != self.name and (old is None or old.address != rec.address):
+            self._unheard.add(name)
         self._table.set(name, rec)
 
     def _store_self(self, now: float) -> None:
@@ -199,6 +212,8 @@ class SwimState:
         del self._gone[name]
         self._dead.pop(name, None)
         self._witnessed.pop(name, None)
+        self._unheard.discard(name)
+        self._missed_nacks.pop(name, None)
         self._table.forget(name)
 
     def _make_room(self) -> bool:
@@ -246,6 +261,14 @@ class SwimState:
         self._suspicions[member] = susp
         self._susp_next = min(self._susp_next, susp.deadline())
 
+    def _confirmed(self, susp: Suspicion, now: float) -> None:
+        """``susp`` just counted a confirmation, which may have brought its deadline
+        forward, even to before ``now``: a suspicion timer that falls due that way is
+        due from ``now`` on, not overdue (``_susp_floor``: a tick that fires it is not
+        a late one, see :meth:`~hypermesh.agent.gossip.swim.Swim.tick`)."""
+        self._susp_next = min(self._susp_next, susp.deadline())
+        self._susp_floor = now
+
     def _end_probe(self, probe: _Probe) -> None:
         self._probes.pop(probe.seq, None)
         if self._probing.get(probe.target) == probe.seq:
@@ -253,6 +276,17 @@ class SwimState:
 
     def _bump_awareness(self, delta: int) -> None:
         self._awareness = min(self.cfg.awareness_max, max(0, self._awareness + delta))
+
+    def _heard_from(self, member: str, address: str) -> None:
+        """``member`` sent us a message from ``address``: if that is the address we hold
+        for it, it is heard directly (it exists, and answers there), for as long as its
+        record keeps that address."""
+        if self._missed_nacks:
+            self._missed_nacks.pop(member, None)
+        if member in self._unheard:
+            rec = self._table.get(member)
+            if rec is not None and rec.address == address:
+                self._unheard.discard(member)
 
     # ---------------------------------------------------------------- reading the table
 
@@ -264,12 +298,14 @@ class SwimState:
         return limit
 
     def _random_members(
-        self, count: int, exclude: tuple[str, ...], states: tuple[str, ...]
+        self, count: int, exclude: tuple[str, ...], states: tuple[str, ...], heard: bool = False
     ) -> list[str]:
-        """Up to ``count`` distinct random members in ``states``, none in ``exclude``."""
+        """Up to ``count`` distinct random members in ``states``, none in ``exclude``
+        (and, if ``heard``, none in ``_unheard``)."""
         size = self._table.size()
         if count <= 0 or size == 0:
             return []
+        skip = self._unheard if heard else frozenset()
         chosen: list[str] = []
         if size > 4 * count + 16:
             for _ in range(8 * count + 16):
@@ -280,6 +316,7 @@ class SwimState:
                     and rec.state in states
                     and name not in exclude
                     and name not in chosen
+                    and name not in skip
                 ):
                     chosen.append(name)
                     if len(chosen) == count:
@@ -287,7 +324,7 @@ class SwimState:
         pool = [
             n
             for n, rec in self._table.items()
-            if rec.state in states and n not in exclude and n not in chosen
+            if rec.state in states and n not in exclude and n not in chosen and n not in skip
         ]
         return chosen + self._rng.sample(pool, min(count - len(chosen), len(pool)))
 

@@ -42,7 +42,11 @@ or dead claim above the incarnation a member announced itself is not believed,
 a left above it only from the member, the table is bounded, a message from a
 connection authenticated as another member is refused; and :meth:`Swim.witnessed`
 tells a death this member's own probes saw from one it only heard of, which
-:meth:`Swim.check_death` probes (the agent acts only on the first kind).
+:meth:`Swim.check_death` probes (the agent acts only on the first kind). Likewise
+:meth:`Swim.heard` tells a member that sent us a message itself from one only
+others' rows named: only the first kind serves as an indirect prober or counts
+against local health, so made-up members that never answer can neither make this
+member too unhealthy to act on deaths nor fail its indirect probes.
 
 Where the parts live: :class:`Swim` (here) is the public face — events in,
 outgoing messages and views out — and the scheduler that fires timers in
@@ -138,6 +142,13 @@ class Swim(SwimState):
         None: its suspicion or death, if any, is only what others said."""
         return self._witnessed.get(member)
 
+    def heard(self, member: str) -> bool:
+        """Whether ``member`` is in the table and this member has heard it directly at
+        the address the table holds (a message from it, an ack included), or has known
+        it since the roster it started from: only such members serve as indirect
+        probers, and only their silence counts against local health."""
+        return self._table.get(member) is not None and member not in self._unheard
+
     def probing(self, member: str) -> bool:
         """Whether a probe of ``member`` by this member is in flight."""
         return member in self._probing
@@ -167,7 +178,7 @@ class Swim(SwimState):
     def next_deadline(self) -> float:
         """When :meth:`tick` next has something to do (it may be called earlier)."""
         d = self._due()
-        if self._to_confirm:
+        if self._to_confirm or self._to_check:
             return -_INF  # confirmation probes go out at once
         if self._queue and self._next_gossip < d:
             d = self._next_gossip
@@ -182,7 +193,7 @@ class Swim(SwimState):
         for r in self._relays.values():
             d = min(d, r.nack_at)
         if self._suspicions:
-            d = min(d, max(self._suspicion_next(), self._grace_until))
+            d = min(d, max(self._suspicion_next(), self._grace_until, self._susp_floor))
         return d
 
     # ---------------------------------------------------------------- inputs
@@ -210,7 +221,7 @@ class Swim(SwimState):
                 probe.probe_failed(self, p, now, out)
         if now >= self._join_retry_at:
             dissemination.join_next(self, now, out)
-        if self._to_confirm:
+        if self._to_confirm or self._to_check:
             probe.confirmation_probes(self, now, out)
         if now >= self._next_probe:
             probe.start_probe(self, now, out)
@@ -248,6 +259,7 @@ class Swim(SwimState):
             dissemination.on_push_pull(self, msg, now, out)
         elif kind == "push_pull_reply":
             dissemination.on_push_pull_reply(self, msg, now)
+        probe.heard(self, msg)  # last: a newcomer's own row may have come with it
         return out
 
     def send_failed(self, to: str, now: float, refused: bool) -> list[Outgoing]:

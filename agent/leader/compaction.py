@@ -21,9 +21,15 @@ workflows grows towards etcd's quota (2 GiB by default) unless both happen.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 MiB = 1024 * 1024
+
+
+_TIMINGS = (  # the fields in seconds
+    "check_s", "compact_keep_s", "compact_every_s", "defrag_every_s",
+    "defrag_timeout_s", "leftover_grace_s")
 
 
 @dataclass(frozen=True)
@@ -61,8 +67,7 @@ class HousekeepingConfig:
     long, in seconds; a ``hypermesh delete`` still purging them finishes first."""
 
     def __post_init__(self) -> None:
-        for name in ("check_s", "compact_keep_s", "compact_every_s", "defrag_every_s",
-                     "defrag_timeout_s", "leftover_grace_s"):
+        for name in _TIMINGS:
             if not 0.05 <= getattr(self, name) <= 7 * 86400:
                 raise ValueError(f"{name} must be 0.05 s to 7 days, not {getattr(self, name)}")
         if not 0 < self.defrag_free_ratio < 1:
@@ -88,6 +93,24 @@ class HousekeepingConfig:
         return cls(check_s=1.0, compact_keep_s=60.0, compact_every_s=5.0,
                    defrag_free_ratio=0.3, defrag_min_free=MiB // 4, defrag_every_s=60.0,
                    defrag_timeout_s=60.0, leftover_grace_s=5.0)
+
+
+TEST_TIMINGS_ENV = "HYPERMESH_TEST_HOUSEKEEPING"
+"""``NAME=SECONDS,...``: timings that replace the preset's, for a test that owns its etcd
+(a return to size in seconds rather than minutes). Only the timings: the thresholds stay."""
+
+def with_test_timings(cfg: HousekeepingConfig, text: str | None) -> HousekeepingConfig:
+    """``cfg`` with the timings ``text`` (``TEST_TIMINGS_ENV``'s value) names; a name that
+    is not a timing or a value out of range raises ValueError."""
+    if not text:
+        return cfg
+    changes: dict[str, Any] = {}  # floats, for fields that are all floats
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.strip() not in _TIMINGS:
+            raise ValueError(f"{TEST_TIMINGS_ENV}: {name.strip()!r} is not one of {_TIMINGS}")
+        changes[name.strip()] = float(value)
+    return replace(cfg, **changes)
 
 
 class RevisionLog:

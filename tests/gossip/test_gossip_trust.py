@@ -273,6 +273,106 @@ def test_our_own_failed_probe_is_a_witnessed_death() -> None:
     assert wire.state("a", "b") == ALIVE and a.witnessed("b") is None  # alive again: forgotten
 
 
+# ---------------------------------------------------------------- members only heard of
+
+
+def _haunt(wire: Wire, count: int = 200) -> None:
+    """Tell every member of ``wire`` of ``count`` made-up members (ghosts), at addresses
+    where nothing answers, in another member's name."""
+    ghosts = [Update.alive(f"ghost{i}", f"ghost{i}.invalid:7946", 0, 0, {}) for i in range(count)]
+    for name, node in wire.nodes.items():
+        sender = "d" if name == "c" else "c"
+        for i in range(0, count, 16):
+            wire.deliver(name, node.receive(gossip(sender, *ghosts[i : i + 16]), wire.now))
+
+
+def _worst_health(wire: Wire, until: float) -> int:
+    """Run ``wire`` to ``until``; the highest local health any member had at a period's end."""
+    worst = 0
+    while wire.now < until:
+        wire.run_until(min(until, wire.now + CFG.protocol_period))
+        worst = max(worst, *(node.local_health for node in wire.nodes.values()))
+    return worst
+
+
+def test_ghosts_neither_raise_local_health_nor_serve_as_indirect_probers() -> None:
+    wire = Wire(["a", "b", "c", "d"])
+    wire.run_until(1.0)
+    _haunt(wire)
+    a = wire.nodes["a"]
+    assert all(len(node.members()) == 204 for node in wire.nodes.values())
+    assert a.heard("b") and not a.heard("ghost0")
+    start = len(wire.log)
+    # 100 periods: each member probes about 100 ghosts, each probe going indirect.
+    assert _worst_health(wire, 1.0 + 100 * CFG.protocol_period) == 0
+    reqs = [o for _, o in wire.log[start:] if o.message.kind == "ping_req"]
+    assert len(reqs) > 100 and {o.to for o in reqs} == set(wire.nodes)  # real members only
+    assert all(wire.state(x, y) == ALIVE for x in wire.nodes for y in wire.nodes)
+    gone = [m for m in a.members().values() if m.name.startswith("ghost") and m.state == DEAD]
+    assert len(gone) > 100  # probed, suspected and declared dead as usual
+
+
+def test_among_ghosts_real_helpers_save_a_cut_off_member_and_a_real_death_is_found() -> None:
+    wire = Wire(["a", "b", "c", "d"])
+    wire.run_until(1.0)
+    _haunt(wire)
+    a = wire.nodes["a"]
+    wire.cut.add(frozenset(("a", "b")))  # a's probe of b must go through c and d
+    start = len(wire.log)
+    wire.deliver("a", a.check_death("b", wire.now))
+    wire.run_until(wire.now + CFG.protocol_period)
+    reqs = [o for s, o in wire.log[start:] if s == "a" and o.message.target == "b"]
+    assert {o.to for o in reqs if o.message.kind == "ping_req"} == {"c", "d"}
+    assert [(s, o.to) for s, o in wire.log[start:] if o.message.kind == "ack" and o.to == "a"]
+    assert wire.state("a", "b") == ALIVE and a.witnessed("b") is None
+    wire.cut.clear()
+    wire.down.add("d")  # a real death: d misses a nack, and is probed itself at once
+    assert _worst_health(wire, wire.now + 3.0) <= 2  # not 8, for hundreds of periods
+    assert all(wire.state(x, "d") == DEAD for x in "abc")
+    assert any(wire.nodes[x].witnessed("d") for x in "abc")
+    assert all(wire.nodes[x].local_health == 0 for x in "abc")
+
+
+def test_with_nobody_heard_yet_a_failed_probe_has_no_helpers_and_still_finds_a_death() -> None:
+    wire = Wire(["a", "b", "c"], roster=False)
+    a = wire.nodes["a"]
+    wire.down.update("bc")
+    wire.deliver("a", a.join([("b", "addr-b"), ("c", "addr-c")], 0.0))
+    assert a.member("b") is not None and not a.heard("b") and not a.heard("c")
+    wire.run_until(10.0)
+    assert wire.state("a", "b") == DEAD and wire.state("a", "c") == DEAD
+    assert a.witnessed("b") and a.local_health == 0
+    assert "ping_req" not in wire.kinds("a")
+
+
+def test_a_fresh_mesh_hears_everyone_by_their_probes_and_finds_a_death() -> None:
+    names = ["a", "b", "c", "d"]
+    wire = Wire(names, roster=False)
+    for i, n in enumerate(names[1:], start=1):
+        wire.now = i * 0.01
+        wire.deliver(n, wire.nodes[n].join([("a", "addr-a")], wire.now))
+    wire.run_until(3.0)
+    assert all(wire.nodes[x].heard(y) for x in names for y in names if x != y)
+    wire.cut.add(frozenset(("a", "b")))
+    wire.down.add("d")
+    wire.run_until(8.0)
+    assert all(wire.state(x, "d") == DEAD for x in "abc")
+    assert wire.state("a", "b") == ALIVE and "ping_req" in wire.kinds("a")
+
+
+def test_a_member_is_heard_only_at_the_address_held_for_it() -> None:
+    wire = Wire(["a", "b", "c"])
+    a = wire.nodes["a"]
+    assert a.heard("b") and not a.heard("e")  # the roster it started from counts as heard
+    a.receive(gossip("c", Update.alive("b", "elsewhere:1", 1, 0, {})), 0.0)  # b moved, says c
+    b = a.member("b")
+    assert b is not None and b.address == "elsewhere:1" and not a.heard("b")
+    a.receive(gossip("b"), 0.1)  # from addr-b, where we no longer hold b
+    assert not a.heard("b")
+    a.receive(Message("gossip", "b", "elsewhere:1"), 0.2)
+    assert a.heard("b")
+
+
 # ---------------------------------------------------------------- the count
 
 

@@ -29,7 +29,8 @@ CFG = GossipConfig.local(push_pull_interval=0.0, reconnect_interval=0.0)
 
 class Wire:
     """Members wired together in memory: every message arrives at once, unless its
-    link is cut, its receiver is down (silent) or refuses connections."""
+    link is cut, its receiver is down (silent) or refuses connections; messages to
+    names that are not on the wire (ghosts) go unanswered."""
 
     def __init__(
         self, names: Iterable[str], cfg: GossipConfig = CFG, seed: int = 1, roster: bool = True
@@ -52,6 +53,8 @@ class Wire:
         while queue:
             src, out = queue.popleft()
             self.log.append((src, out))
+            if out.to not in self.nodes:
+                continue  # a made-up member (a ghost): nothing answers at its address
             assert out.address == f"addr-{out.to}"
             if out.to in self.refusing:
                 queue.extend((src, o) for o in self.nodes[src].send_failed(out.to, self.now, True))
@@ -551,6 +554,38 @@ def test_a_node_that_was_stalled_does_not_accuse_the_peer_it_was_probing() -> No
     a.tick(start)  # ping out; the ack would arrive while a is stalled
     wire.run_until(start + 10 * CFG.protocol_period)
     assert all(v.state == ALIVE for v in a.members().values())
+
+
+def test_a_confirmation_that_makes_a_suspicion_overdue_is_not_taken_for_a_stall() -> None:
+    roster = Roster([(n, f"addr-{n}") for n in "abcde"])
+    a = Swim("a", "addr-a", CFG, random.Random(1), 0.0, roster=roster)
+    now = 0.0
+
+    def run(until: float) -> None:  # on time; every ping acked, everything else dropped
+        nonlocal now
+        while a.next_deadline() <= until:
+            now = max(now, a.next_deadline())
+            outs = a.tick(now)
+            while outs:
+                o = outs.pop()
+                if o.message.kind == "ping":
+                    outs += a.receive(Message("ack", o.to, o.address, seq=o.message.seq), now)
+        now = until
+
+    def suspect_e(accuser: str) -> Message:
+        update = Update("e", "addr-e", SUSPECT, 0, source=accuser)
+        return Message("gossip", accuser, f"addr-{accuser}", updates=(update,))
+
+    a.receive(suspect_e("b"), 0.0)
+    low, high = suspicion_bounds(5, CFG)
+    run(0.3)  # past the shortest timeout, short of the longest
+    assert low + CFG.late_tick_threshold < 0.3 < high
+    assert a.member("e").state == SUSPECT and a.local_health == 0  # type: ignore[union-attr]
+    for confirmer in "cd":  # the deadline moves to before now: due at once, not overdue
+        a.receive(suspect_e(confirmer), now)
+    a.tick(now)
+    assert a.member("e").state == DEAD  # type: ignore[union-attr]
+    assert a.local_health == 0 and not [e for e in a.log if e[2] == "late-tick"]
 
 
 # ---------------------------------------------------------------- refused fast path
