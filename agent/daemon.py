@@ -72,7 +72,8 @@ from hypermesh.agent.tasks.runner import use_pidfd_child_watcher
 from hypermesh.agent.tasks.task_env import host_env
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable
-from hypermesh.exposure import warn_exposed
+from hypermesh.etcd_security import PLAINTEXT
+from hypermesh.exposure import dashboard_https, warn_exposed
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
@@ -138,7 +139,7 @@ class Agent:
     def __init__(self, cfg: AgentConfig, endpoints: list[str], namespace: str) -> None:
         self.cfg = cfg
         self.ks = Keyspace(namespace)
-        self.etcd = Etcd(endpoints)
+        self.etcd = Etcd(endpoints, security=cfg.etcd_security or PLAINTEXT)
         self.view = MeshView(self.ks)
         self._node_record: tuple[tuple[object, ...], NodeRecord] | None = None
         # Only the leader (and a node claiming a block) needs every batch of every block
@@ -248,6 +249,11 @@ class Agent:
     @property
     def is_leader(self) -> bool:
         return self.view.leader() == self.cfg.name
+
+    def candidacy(self) -> tuple[str, int] | None:
+        """The election key this node stands with and its create revision (None: it
+        holds none); the leader's burst writes are fenced on it (``agent/burst/fence.py``)."""
+        return self.campaign.held()
 
     def full_view(self) -> MeshView:
         """The view with every batch applied, for readers of per-task state (status,
@@ -388,7 +394,11 @@ class Agent:
             sock.close()
             return
         (self.work_dir / "http.address").write_text(self.http_address + "\n")
-        self.decide(f"dashboard at http://{self.http_address}/")
+        c = self.cfg
+        scheme = "https" if dashboard_https(c.http_listen, c.tls is not None,
+                                            c.dashboard_token is not None) else "http"
+        login = ", login required" if c.dashboard_token is not None else ""
+        self.decide(f"dashboard at {scheme}://{self.http_address}/{login}")
 
     async def _run_gossip(self) -> None:
         await self.mirror_ready.wait()  # seeds come from the etcd registry

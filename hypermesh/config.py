@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hypermesh.errors import UsageError
-from hypermesh.exposure import check_exposure
+from hypermesh.exposure import check_exposure, check_token
 from hypermesh.recipe.units import UnitError, parse_duration, parse_size
 from hypermesh.state.keyspace import NODE_NAME_RE
 
 if TYPE_CHECKING:
+    from hypermesh.etcd_security import EtcdSecurity
     from hypermesh.tls import TlsFiles
 
 ENV_ETCD = "HYPERMESH_ETCD"
@@ -29,6 +30,8 @@ DEFAULT_NAMESPACE = "default"
 SPOT_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
 TASK_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
 """``--task-env``: a variable name, or a prefix ending in ``*``."""
+DASHBOARD_HOST_RE = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,252})(?::[0-9]{1,5})?")
+"""``--dashboard-host``: a host name (lower case), optionally with ``:PORT``."""
 
 # gRPC options of connections that carry only small messages (gossip, etcd, the
 # agent's server, which receives only requests). gRPC's BDP probe answers received
@@ -116,7 +119,21 @@ class AgentConfig:
 
     http_listen: str | None = "127.0.0.1:7071"
     """HOST:PORT of the web dashboard (``--http-listen``; port 0 picks a free one,
-    None turns it off). Loopback by default: the dashboard has no authentication."""
+    None turns it off). Loopback by default; beyond loopback it needs a
+    ``dashboard_token`` and ``tls`` (HTTPS), or ``insecure`` (``hypermesh/exposure.py``)."""
+
+    dashboard_token: str | None = field(default=None, repr=False)
+    """The dashboard's login token (``--dashboard-token-file``, env
+    ``HYPERMESH_DASHBOARD_TOKEN``; at least 16 characters). Given: every dashboard page
+    and ``/api`` request needs a session cookie from ``/login`` or ``Authorization:
+    Bearer TOKEN`` (``agent/ops/dashboard_auth.py``), on loopback too. None: no login,
+    allowed only on loopback unless ``insecure``."""
+
+    dashboard_hosts: tuple[str, ...] = ()
+    """Host names (``NAME`` or ``NAME:PORT``) the dashboard answers to besides IP
+    addresses, ``localhost`` and this machine's host name (``--dashboard-host``, env
+    ``HYPERMESH_DASHBOARD_HOSTS``): the names browsers use to reach it. Every other
+    ``Host`` header is refused (403), which defeats DNS rebinding."""
 
     claim_batch: int = 32
     """Most tasks claimed in one etcd transaction (1-100). Larger batches cost
@@ -171,6 +188,11 @@ class AgentConfig:
     for the node's name). With them every gRPC connection, served or opened, is mutual
     TLS; None: plaintext, allowed only on loopback unless ``insecure``."""
 
+    etcd_security: EtcdSecurity | None = None
+    """How the agent reaches etcd: its CA, client certificate and user (``--etcd-ca``,
+    ``--etcd-cert``, ``--etcd-key``, ``--etcd-user`` with ``HYPERMESH_ETCD_PASSWORD``;
+    ``hypermesh/etcd_security.py``). None: plaintext, no user."""
+
     health_listen: str | None = None
     """HOST:PORT of a plaintext port serving only gRPC health (``--health-listen``), for
     probes that cannot do mutual TLS (Kubernetes' ``grpc`` probes); None: health is
@@ -224,8 +246,15 @@ class AgentConfig:
             _check_address("--http-listen", self.http_listen)
         if self.health_listen is not None:
             _check_address("--health-listen", self.health_listen)
+        check_token(self.dashboard_token)
+        object.__setattr__(self, "dashboard_hosts",
+                           tuple(h.lower() for h in self.dashboard_hosts))
+        for host in self.dashboard_hosts:
+            if not DASHBOARD_HOST_RE.fullmatch(host):
+                raise UsageError(f"--dashboard-host {host!r}: expected a host name, "
+                                 "optionally with :PORT")
         check_exposure(self.listen, self.tls is not None, self.insecure,
-                       self.metrics_listen, self.http_listen)
+                       self.metrics_listen, self.http_listen, self.dashboard_token is not None)
 
     @classmethod
     def lan(cls, **overrides: object) -> AgentConfig:

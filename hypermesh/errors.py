@@ -40,6 +40,15 @@ class EtcdUnavailable(TransientError):
     """No etcd endpoint answered in time."""
 
 
+class EtcdAuthFailed(FatalError):
+    """etcd refused the user and password (or the TLS handshake's client certificate)."""
+
+
+class EtcdPermissionDenied(FatalError):
+    """etcd authenticated the user but its roles do not allow the operation (a key
+    outside the role's prefix, or maintenance that needs the root role)."""
+
+
 class NoSuchObject(NotFound):
     """An object store has no object under the key asked for."""
 
@@ -54,6 +63,11 @@ class CorruptData(FatalError):
 
 class LeaseLost(HypermeshError):
     """This node's etcd lease expired or was revoked; its claims are gone."""
+
+
+class LeadershipLost(HypermeshError):
+    """A leader-only write was fenced: this node's candidacy key (``elect/``) is gone or
+    was put again since it stood, so another node may lead; it must stop acting as leader."""
 
 
 @dataclass(frozen=True, order=True)

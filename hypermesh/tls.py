@@ -163,11 +163,12 @@ def init_ca(directory: Path, common_name: str = "hypermesh mesh CA") -> Path:
 
 def issue(
     directory: Path, name: str, hosts: Sequence[str] = (), days: int = CERT_DAYS,
-    *, agent: bool = False,
+    *, agent: bool = False, out: Path | None = None,
 ) -> Path:
-    """Issue NAME.pem / NAME-key.pem in ``directory``, signed by its CA, for ``name``
-    and ``hosts`` (host names or IP addresses), usable as server and as client. With
-    ``agent`` the certificate also names :data:`AGENT_NAME`: it is an agent's."""
+    """Issue NAME.pem / NAME-key.pem in ``directory`` (or ``out``), signed by the CA in
+    ``directory``, for ``name`` and ``hosts`` (host names or IP addresses), usable as
+    server and as client. With ``agent`` the certificate also names :data:`AGENT_NAME`:
+    it is an agent's."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -193,7 +194,8 @@ def issue(
                 ) from None
             if host != name:
                 alt_names.append(x509.DNSName(host))
-    cert_path, key_path = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    into = out or directory
+    cert_path, key_path = into / f"{name}.pem", into / f"{name}-key.pem"
     if cert_path.exists() or key_path.exists():
         raise UsageError(f"{cert_path} or {key_path} exists already; not replacing it")
     try:

@@ -43,8 +43,10 @@ from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess
 from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.pki import CLI_USER, LocalPki
 from hypermesh.local.processes import unmount_under, wait_for
 from hypermesh.local.s3server import S3Server
+from hypermesh.tls import TlsFiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_chunkfs import drop_caches, read_file
@@ -60,8 +62,14 @@ def read_all(path: Path) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
+TLS: TlsFiles | None = None
+"""With ``--tls``: the files this script (a mesh user) reaches the agents with."""
+AGENT_TLS: dict[str, TlsFiles] = {}
+"""With ``--tls``: each agent's own files, which it gives the mounts it starts."""
+
+
 def holders(agent: AgentProcess, chunks: list[str]) -> list[set[str]]:
-    with agent_channel(agent.address, None, aio=False) as channel:  # plaintext agents
+    with agent_channel(agent.address, TLS, aio=False) as channel:
         reply = agent_pb2_grpc.AgentStub(channel).LocateChunks(
             agent_pb2.LocateChunksRequest(chunks=chunks), timeout=5
         )
@@ -75,6 +83,7 @@ def mount(agent: AgentProcess, store_url: str, name: str) -> MountProcess:
     return MountProcess(
         name, mnt, cache_dir=work / "cache" / name, store_url=store_url,
         cache_size="4GiB", agent=agent.address,
+        env=None if TLS is None else dict(os.environ, **AGENT_TLS[agent.name].env()),
     ).start()
 
 
@@ -142,7 +151,11 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="only the JSON summary")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS between the agents and between each mount and its "
+                             "agent (a mesh CA made for the run)")
     args = parser.parse_args()
+    global TLS
     with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
         root = Path(tmp)
         etcd = EtcdServer(root / "etcd", fsync=False)
@@ -154,9 +167,16 @@ def main() -> None:
             s3.make_bucket(BUCKET)
             os.environ.update(s3.client_env())
             store_url = s3.url(BUCKET, "share")
+            pki = LocalPki(root / "tls") if args.tls else None
+            TLS = None if pki is None else pki.member(CLI_USER)
             for name in ("a", "b"):
+                extra = ["--store", store_url]
+                if pki is not None:
+                    files = AGENT_TLS[name] = pki.member(name, agent=True)
+                    extra += ["--tls-ca", str(files.ca), "--tls-cert", str(files.cert),
+                              "--tls-key", str(files.key)]
                 agents[name] = AgentProcess(name, etcd.url, "bench", root / name,
-                                            extra=("--store", store_url)).start()
+                                            extra=extra).start()
             runs = [one_run(agents, store_url, s3.endpoint, root, args.size_mib, i)
                     for i in range(args.runs)]
         finally:
@@ -165,7 +185,7 @@ def main() -> None:
             unmount_under(root)
             s3.stop()
             etcd.stop()
-    summary: dict[str, Any] = {"size_mib": args.size_mib, "runs": args.runs}
+    summary: dict[str, Any] = {"size_mib": args.size_mib, "runs": args.runs, "tls": args.tls}
     for key in runs[0]:
         values = [r[key] for r in runs]
         summary[key] = (statistics.median(values)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Recovery and leader-failover times of a local mesh with default (lan) settings.
 
-    bench_recovery.py [--kills 20] [--failovers 10] [--agents 3]
+    bench_recovery.py [--kills 20] [--failovers 10] [--agents 3] [--tls]
 
 recovery: crash (SIGKILL the agent and its processes) a node that holds running
 tasks; time from the kill to each of those tasks running again on a survivor
@@ -205,12 +205,15 @@ def main() -> int:
         default="kill",
         help="kill: SIGKILL the node and its processes; stop: SIGSTOP it (silence), then SIGCONT",
     )
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS on every gRPC connection (a mesh CA made for the run)")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="hm-recovery-"))
     # Default settings: the lan preset (lease TTL 10 s, leader TTL 2 s).
-    mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots, agent_args=["--preset", "lan"])
+    mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots, agent_args=["--preset", "lan"],
+                     tls=opts.tls)
     mesh.start()
     try:
         env = dict(os.environ, **mesh.env())
@@ -220,7 +223,7 @@ def main() -> int:
         fail = failover(mesh, env, root, opts.failovers) if opts.failovers else []
     finally:
         mesh.close()
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"tls": opts.tls}
     if rec:
         report["recovery"] = {
             "signal": opts.signal,

@@ -6,6 +6,8 @@ releases nodes through the pools' provisioners, keeps the records of the nodes
 it started (``inst/<node>``), writes every decision to the event log
 (``event/...``, the last ``events_kept``), and integrates node-seconds per pool
 and per workflow into the usage counters (``usage/<pool>``, ``wfusage/<wid>``).
+Each of those writes is fenced on the leader's candidacy (``agent/burst/fence.py``):
+a deposed leader's write fails, writing nothing, and the duty stops acting.
 
 Nothing here is needed to continue after a leader change: records, events and
 counters live in etcd; what a new leader does not know (how long the backlog
@@ -23,6 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.agent.burst import view as burst_view
+from hypermesh.agent.burst.fence import Candidacy, leader_txn
 from hypermesh.agent.burst.kinds import make_provisioner
 from hypermesh.agent.burst.policy import (
     BurstConfig,
@@ -41,7 +44,13 @@ from hypermesh.agent.burst.provisioner import (
     ProvisionError,
     launch_with_fallback,
 )
-from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost, UsageError
+from hypermesh.errors import (
+    EtcdUnavailable,
+    HypermeshError,
+    LeadershipLost,
+    LeaseLost,
+    UsageError,
+)
 from hypermesh.state.pools import Pool
 from hypermesh.state.records import dumps
 
@@ -78,6 +87,10 @@ class BurstHost(Protocol):
 
     def decide(self, message: str) -> None: ...
 
+    def candidacy(self) -> Candidacy | None:
+        """The election key this agent stands with and its create revision (None:
+        it holds none); every burst write is fenced on it."""
+
 
 class BurstDuty:
     """Owned by one agent; acts only while that agent leads. Only its own loop changes
@@ -99,6 +112,7 @@ class BurstDuty:
         self._last_flush = 0.0
         self._pool_delta: dict[str, dict[str, float]] = {}
         self._wf_delta: dict[str, dict[str, dict[str, float]]] = {}
+        self._fenced: list[Candidacy | None] = []  # the candidacy a write was refused under
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
@@ -111,6 +125,8 @@ class BurstDuty:
                 if not self.leading:
                     await self._take_over()
                 await self.tick(time.time())
+            except LeadershipLost:
+                self.leading = False  # _write logged it; acting() is False from now on
             except (EtcdUnavailable, LeaseLost) as exc:
                 log.warning("%s: burst: %s", self.agent.cfg.name, exc)
             except Exception:  # a bug here must not take the agent down
@@ -121,8 +137,12 @@ class BurstDuty:
         is not draining. A draining leader is about to hand over: it does not count
         itself as capacity, so it would start a node to replace itself, as a child
         of a process that is exiting; the next leader decides instead (and replaces
-        it at once if work remains)."""
+        it at once if work remains). It must also hold a candidacy (its writes are
+        fenced on it), one no write was refused under."""
         agent = self.agent
+        held = agent.candidacy()
+        if held is None or (self._fenced and held == self._fenced[0]):
+            return False  # none, or deposed under this one: only standing again lifts it
         return agent.is_leader and not agent.lease_is_lost and agent.state == "alive"
 
     async def _take_over(self) -> None:
@@ -196,18 +216,35 @@ class BurstDuty:
     def _provisioner(self, pool: Pool) -> Provisioner:
         known = self._provisioners.get(pool.name)
         if known is None or known[0] != pool:
-            endpoints = ",".join(f"http://{e}" for e in self.agent.etcd.endpoints)
+            scheme = "https" if self.agent.etcd.security.tls else "http"
+            endpoints = ",".join(f"{scheme}://{e}" for e in self.agent.etcd.endpoints)
             ctx = Context(endpoints, self.ks.namespace, self.agent.work_dir / "burst",
-                          self.agent.cfg.store)
+                          self.agent.cfg.store,
+                          tuple(self.agent.etcd.security.env().items()), self.agent.cfg.tls)
             known = (pool, make_provisioner(pool, ctx))
             self._provisioners[pool.name] = known
         return known[1]
 
+    async def _write(self, compare: list[Any], ops: list[Any]) -> bool:
+        """Every leader-only write goes through here: ``ops`` apply only while this
+        agent's candidacy stands (and ``compare`` holds; False when it does not). A
+        deposed leader writes nothing: it logs that once, stops acting until it
+        stands again, and raises :class:`LeadershipLost` to end the tick."""
+        held = self.agent.candidacy()
+        try:
+            return await leader_txn(self.agent.etcd, held, compare, ops)
+        except LeadershipLost as exc:
+            if not self._fenced or self._fenced[0] != held:
+                self._fenced = [held]
+                self.leading = False
+                self.agent.decide(f"burst: no longer leader, stopped acting ({exc})")
+            raise
+
     async def _put_record(self, node: str, record: dict[str, Any]) -> None:
-        await self.agent.etcd.put(self.ks.instance(node), dumps(record))
+        await self._write([], [self.agent.etcd.op_put(self.ks.instance(node), dumps(record))])
 
     async def _drop_record(self, node: str) -> None:
-        await self.agent.etcd.txn([], [self.agent.etcd.op_delete(self.ks.instance(node))])
+        await self._write([], [self.agent.etcd.op_delete(self.ks.instance(node))])
 
     async def _mark_registered(self) -> None:
         view = self.agent.view
@@ -264,6 +301,7 @@ class BurstDuty:
         provider_id = str(record.get("provider_id", ""))
         stopped = True
         if pool is not None and pool.provisioned:
+            await self._write([], [])  # a deposed leader terminates nothing
             try:
                 stopped = await asyncio.to_thread(
                     self._provisioner(pool).terminate, action.node, provider_id
@@ -300,7 +338,7 @@ class BurstDuty:
         self._events.append(key)
         while len(self._events) > self.cfg.events_kept and len(ops) < 100:
             ops.append(etcd.op_delete(self._events.popleft()))
-        await etcd.txn([], ops)
+        await self._write([], ops)
         self.agent.decide(f"burst event: {json.dumps(event, sort_keys=True)}")
 
     # ------------------------------------------------------------------ usage
@@ -347,8 +385,7 @@ class BurstDuty:
         compare = [etcd.mod_revision_is(key, revision) if revision else etcd.absent(key)]
         if owner is not None:
             compare.append(etcd.present(owner))
-        result = await etcd.txn(compare, [etcd.op_put(key, dumps(merge(data)))])
-        return result.succeeded
+        return await self._write(compare, [etcd.op_put(key, dumps(merge(data)))])
 
 
 def _sum(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

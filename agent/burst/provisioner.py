@@ -21,6 +21,7 @@ from typing import Protocol
 
 from hypermesh.errors import FatalError, TransientError
 from hypermesh.state.pools import Pool
+from hypermesh.tls import TlsFiles
 
 
 class CapacityRefused(TransientError):
@@ -47,6 +48,15 @@ class Context:
     """Where the ``local`` provisioner puts its nodes' work directories."""
 
     store: str | None = None
+
+    etcd_env: tuple[tuple[str, str], ...] = ()
+    """The ``HYPERMESH_ETCD_*`` variables (CA, client certificate, user and password)
+    that let a node started on this machine reach etcd as this agent does."""
+
+    tls: TlsFiles | None = None
+    """The leader's own gRPC TLS files when the mesh runs mutual TLS (None: plaintext).
+    A new node needs a certificate for its own name from the same CA: the ``local``
+    provisioner issues one from the pool's ``ca_dir`` option."""
 
 
 @dataclass(frozen=True)

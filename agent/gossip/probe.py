@@ -77,21 +77,21 @@ def confirmation_probes(s: SwimState, now: float, out: list[Outgoing]) -> None:
     is a confirmation that brings the suspicion to its shortest timeout (or our
     ack-carrying probe helps the suspect refute). Waiting for our round-robin turn
     would take up to N periods — longer still while we are sick ourselves."""
-    for target in s._to_confirm:
-        rec = s._table.get(target)
-        if rec is None or rec.state != SUSPECT or target in s._probing:
-            continue
-        _ping(s, target, rec, now, out)
-    s._to_confirm.clear()
+    _ping_each(s, s._to_confirm, SUSPECT, now, out)
     # Helpers that keep missing nacks (see probe_failed): one that died would otherwise
     # be asked again and again until our round-robin reaches it, each silence raising
     # our local health — for hundreds of periods where made-up members fill the table.
-    for target in s._to_check:
+    _ping_each(s, s._to_check, ALIVE, now, out)
+
+
+def _ping_each(s: SwimState, targets: set[str] | dict[str, None], state: str, now: float,
+               out: list[Outgoing]) -> None:
+    """Probe each of ``targets`` still in ``state`` and not under probe; empty it."""
+    for target in targets:
         rec = s._table.get(target)
-        if rec is None or rec.state != ALIVE or target in s._probing:
-            continue
-        _ping(s, target, rec, now, out)
-    s._to_check.clear()
+        if rec is not None and rec.state == state and target not in s._probing:
+            _ping(s, target, rec, now, out)
+    targets.clear()
 
 
 def _ping(s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoing]) -> None:

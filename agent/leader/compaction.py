@@ -142,6 +142,11 @@ class RevisionLog:
         self.compacted = max(self.compacted, revision)
         self.compacted_at = now
 
+    def passed(self, revision: int) -> None:
+        """History up to ``revision`` needs no compaction (it holds only the leader's own
+        record of the last one)."""
+        self.compacted = max(self.compacted, revision)
+
 
 def worth_defragmenting(db_size: int, in_use: int, cfg: HousekeepingConfig) -> bool:
     """Whether a member whose file is ``db_size`` bytes, ``in_use`` of them in use, has

@@ -46,11 +46,21 @@ class CampaignHost(Protocol):
 
 class Campaign:
     """One agent's candidacy. ``lease`` is the candidacy's lease while this node holds one
-    (0 otherwise); only :meth:`run` changes it, and the agent revokes it when it stops."""
+    (0 otherwise) and ``stood_at`` the create revision of its key; only :meth:`run`
+    changes them, and the agent revokes the lease when it stops."""
 
     def __init__(self, agent: CampaignHost) -> None:
         self.agent = agent
         self.lease = 0
+        self.stood_at = 0
+
+    def held(self) -> tuple[str, int] | None:
+        """The candidacy key this node stands with and the revision it was created at
+        (None: it holds none). Leader-only writes compare both (``agent/burst/fence.py``):
+        a key that lapsed, or was cleared by a node that stood since, fails them."""
+        if not self.lease or not self.stood_at:
+            return None
+        return self.agent.ks.candidate(self.lease), self.stood_at
 
     async def run(self) -> None:
         """Lead when no live node does (see the module docstring)."""
@@ -98,7 +108,7 @@ class Campaign:
         if not done.succeeded:
             await a.etcd.revoke(lease)
             return 0
-        self.lease = lease
+        self.lease, self.stood_at = lease, done.revision
         a.decide(f"stood for leader with candidacy {lease:x}")
         return done.revision
 
@@ -125,4 +135,4 @@ class Campaign:
         finally:
             keeper.cancel()
             await a.etcd.revoke(lease)
-            self.lease = 0
+            self.lease = self.stood_at = 0

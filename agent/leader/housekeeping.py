@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.agent.leader.compaction import HousekeepingConfig, RevisionLog, worth_defragmenting
 from hypermesh.agent.leader.retention import Ended, Retention, leftover_wids
-from hypermesh.errors import EtcdUnavailable, LeaseLost
+from hypermesh.errors import EtcdPermissionDenied, EtcdUnavailable, LeaseLost
 from hypermesh.state.cleanup import forget_workflow, purge_workflow
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.etcd_size import QUOTA_WARN, DbSize, db_size, quota_warning
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
+
+NOTE_PAUSE_S = 0.3
+"""Between the two records of a compaction: three of etcd's batch intervals (100 ms)."""
 
 
 class HousekeepingHost(Protocol):
@@ -68,6 +71,7 @@ class Housekeeping:
     def __init__(self, agent: HousekeepingHost, cfg: HousekeepingConfig) -> None:
         self.agent = agent
         self.cfg = cfg
+        self._not_permitted: set[str] = set()  # what etcd refuses this agent's user
         self._forget()
 
     def _forget(self) -> None:
@@ -93,7 +97,7 @@ class Housekeeping:
             leading = True
             try:
                 await self.check(time.time(), time.monotonic())
-            except (EtcdUnavailable, LeaseLost) as exc:
+            except (EtcdUnavailable, LeaseLost, EtcdPermissionDenied) as exc:
                 log.warning("%s: housekeeping: %s", self.agent.cfg.name, exc)
             except Exception:  # a bug here must not take the agent down
                 log.exception("%s: housekeeping failed", self.agent.cfg.name)
@@ -104,14 +108,48 @@ class Housekeeping:
         self.revisions.record(mono, self.agent.view.revision)
         await self.retain(now)
         target = self.revisions.target(mono, self.cfg)
-        if target is not None and self.acting():
-            compacted = await self.agent.etcd.compact(target)
+        if target is not None and self.acting() and "compaction" not in self._not_permitted:
+            try:
+                compacted = await self.agent.etcd.compact(target)
+            except EtcdPermissionDenied as exc:
+                self.refused("compaction", exc)
+                return
             self.revisions.done(mono, target)
             log.info("%s: compacted etcd to revision %d%s", self.agent.cfg.name, target,
                      "" if compacted else " (it already was)")
+            await self.note_compaction(target, now)
         if mono - self._sizes_at >= self.cfg.compact_every_s and self.acting():
             self._sizes_at = mono
             await self.look_after_members(mono)
+
+    async def note_compaction(self, target: int, now: float) -> None:
+        """Record the compaction in etcd, twice, a few of etcd's batch intervals apart.
+
+        The pages a compaction frees stay reserved (bbolt's pending pages) until write
+        transactions that begin after it, and after etcd's shared read transaction of
+        that time is retired, commit: in an idle mesh none would come, the space would
+        never show as free, and it would never be defragmented (seen: a database of
+        1.5 MB with 2 keys left, 1.2 MB of it "in use", until the next write). When
+        these records are the only change since the compaction, their revisions are not
+        worth one of their own: an idle mesh is compacted once, not every
+        ``compact_every_s`` for ever."""
+        value = json.dumps({"revision": target, "at": now, "by": self.agent.cfg.name}).encode()
+        written = 0
+        for pause in (NOTE_PAUSE_S, 0.0):
+            written = await self.agent.etcd.put(self.agent.ks.compacted, value)
+            await asyncio.sleep(pause)
+        if written == target + 2:
+            self.revisions.passed(written)
+
+    def refused(self, what: str, exc: EtcdPermissionDenied) -> None:
+        """Note, once, that etcd refuses ``what`` to this agent's user (a role limited
+        to the namespace's prefix, docs/operations.md); it is not tried again while
+        this agent lives. The mesh keeps working without it."""
+        if what not in self._not_permitted:
+            self._not_permitted.add(what)
+            self.agent.decide(f"warning: etcd refuses {what} to this agent's user ({exc}); "
+                              "not trying it again: an operator with the root role must "
+                              "see to it (docs/operations.md)")
 
     # ------------------------------------------------------------------ retention
     async def retain(self, now: float) -> None:
@@ -156,10 +194,14 @@ class Housekeeping:
         sizes: list[DbSize] = []
         for endpoint in a.etcd.endpoints:
             try:
-                async with Etcd([endpoint], timeout=a.etcd.timeout) as member:
+                async with Etcd([endpoint], timeout=a.etcd.timeout,
+                                security=a.etcd.security) as member:
                     sizes.append(await db_size(member, endpoint))
             except EtcdUnavailable as exc:  # a member down: the others still count
                 log.warning("%s: housekeeping: %s", a.cfg.name, exc)
+            except EtcdPermissionDenied as exc:
+                self.refused("maintenance status", exc)
+                return
         for db in sizes:
             warning = quota_warning(db)
             if warning is not None and db.endpoint not in self._near_quota:
@@ -169,16 +211,26 @@ class Housekeeping:
             else:
                 self._near_quota.add(db.endpoint)
         worth = [db for db in sizes if worth_defragmenting(db.size, db.in_use, self.cfg)]
-        if worth and mono - self._defragmented_at >= self.cfg.defrag_every_s:
+        if (worth and mono - self._defragmented_at >= self.cfg.defrag_every_s
+                and "defragmentation" not in self._not_permitted):
             db = max(worth, key=lambda d: d.size - d.in_use)
             self._defragmented_at = mono
-            async with Etcd([db.endpoint], timeout=a.etcd.timeout) as member:
-                started = time.monotonic()
-                await member.defragment(self.cfg.defrag_timeout_s)
-                after = await db_size(member, db.endpoint)
-            a.decide(f"defragmented etcd member {db.endpoint} in "
-                     f"{time.monotonic() - started:.2f}s: {db.size} -> {after.size} bytes")
-            sizes = [after if d.endpoint == db.endpoint else d for d in sizes]
+            try:
+                async with Etcd([db.endpoint], timeout=a.etcd.timeout,
+                                security=a.etcd.security) as member:
+                    started = time.monotonic()
+                    await member.defragment(self.cfg.defrag_timeout_s)
+                    after = await db_size(member, db.endpoint)
+                a.decide(f"defragmented etcd member {db.endpoint} in "
+                         f"{time.monotonic() - started:.2f}s: {db.size} -> {after.size} bytes")
+                sizes = [after if d.endpoint == db.endpoint else d for d in sizes]
+            except EtcdPermissionDenied as exc:
+                self.refused("defragmentation", exc)
         if (sizes and all(d.size < QUOTA_WARN * d.quota for d in sizes)
-                and await a.etcd.disarm_nospace()):
-            a.decide("cleared etcd's NOSPACE alarm: the database is below its quota again")
+                and "alarm disarm" not in self._not_permitted):
+            try:
+                if await a.etcd.disarm_nospace():
+                    a.decide("cleared etcd's NOSPACE alarm: the database is below its "
+                             "quota again")
+            except EtcdPermissionDenied as exc:
+                self.refused("alarm disarm", exc)

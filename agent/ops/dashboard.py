@@ -18,20 +18,28 @@ the server does no work of its own when nobody looks.
   answer shows none).
 - ``GET /api/logs/TASK_ID?attempt=N&offset=K``: the attempt's log from byte K on
   (at most ``LOG_PAGE`` bytes), and whether the attempt still runs.
+
+Every route is GET (``/login``'s form post aside); every request passes the Host
+check and, with a dashboard token, the login first (``dashboard_auth.py``). With the
+agent's TLS files the dashboard is served over HTTPS when it needs a login or
+listens beyond loopback (``hypermesh.exposure.dashboard_https``).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
+from hypermesh.agent.ops.dashboard_auth import HostCheck, Login, add_login_routes, guard
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry, message_json
 from hypermesh.agent.tasks.logs import stream_log
 from hypermesh.errors import HypermeshError, NotFound
+from hypermesh.exposure import dashboard_https
 from hypermesh.recipe.redact import shown_task_env
 from hypermesh.state.keyspace import TaskRef
 from hypermesh.state.node_rows import gossip_table, node_rows
@@ -201,9 +209,14 @@ def _error(kind: type[web.HTTPError], message: str) -> web.HTTPError:
     return kind(text=json.dumps({"error": message}), content_type="application/json")
 
 
-def make_app(agent: DashboardAgent) -> web.Application:
+def make_app(agent: DashboardAgent, port: int, https: bool) -> web.Application:
+    """The dashboard's routes behind the Host check and (with a token) the login."""
+    cfg = agent.cfg
     d = Dashboard(agent)
-    app = web.Application()
+    login = Login(cfg.dashboard_token, port, https)
+    app = web.Application(middlewares=[guard(HostCheck(cfg.dashboard_hosts), login)],
+                          client_max_size=64 * 1024)
+    add_login_routes(app, login)
     for path in STATIC:
         app.router.add_get(path, d.page)
     app.router.add_get("/api/workflows", d.workflows)
@@ -213,9 +226,24 @@ def make_app(agent: DashboardAgent) -> web.Application:
     return app
 
 
+def https_context(agent: DashboardAgent) -> ssl.SSLContext | None:
+    """The server side of HTTPS with the agent's mesh certificate (no client
+    certificate asked: browsers have none), or None where the dashboard is plain HTTP."""
+    cfg = agent.cfg
+    if cfg.tls is None or not dashboard_https(cfg.http_listen, True,
+                                              cfg.dashboard_token is not None):
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cfg.tls.cert, cfg.tls.key)
+    return context
+
+
 async def serve(agent: DashboardAgent, sock: socket.socket) -> web.AppRunner:
     """Serve the dashboard on the bound ``sock``; ``cleanup()`` of the runner stops it."""
-    runner = web.AppRunner(make_app(agent), access_log=None)
+    context = https_context(agent)
+    app = make_app(agent, sock.getsockname()[1], context is not None)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock, ssl_context=context).start()
     return runner

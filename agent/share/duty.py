@@ -43,7 +43,7 @@ from hypermesh.agent.share.config import ShareConfig, transfer_deadline
 from hypermesh.agent.share.peers import ChunkPeers, race_delay
 from hypermesh.chunkfs.format import valid_chunk_id
 from hypermesh.chunkfs.holdings import ELSEWHERE_FILE, read_range, write_elsewhere
-from hypermesh.errors import HypermeshError
+from hypermesh.errors import EtcdPermissionDenied, HypermeshError
 
 if TYPE_CHECKING:
     from hypermesh.agent.gossip.swim import Swim
@@ -109,6 +109,7 @@ class ChunkShare:
         self._lease_lock = asyncio.Lock()
         self._ticked_at = -math.inf
         self._won: dict[tuple[str, int], float] = {}  # (chunk, segment) -> held until
+        self._race_refused = False  # etcd refused the fetching keys to our user (said once)
         self._elsewhere: frozenset[str] | None = None  # what publish_elsewhere last wrote
         self.serve_pause_s = float(os.environ.get(SERVE_PAUSE_ENV) or 0)
 
@@ -303,6 +304,11 @@ class ChunkShare:
                 self._remember_won((chunk, start), now)
                 return a.cfg.name
             found = await a.etcd.get(key)
+        except EtcdPermissionDenied as exc:  # a role without /hypermesh-fetching/<ns>/
+            if not self._race_refused:
+                self._race_refused = True
+                log.warning("cold reads are not deduplicated: %s (docs/operations.md)", exc)
+            return None
         except HypermeshError as exc:
             log.debug("racing for %s: %s", key, exc)
             return None

@@ -19,6 +19,7 @@ import click
 from hypermesh.cli.common import Mesh, dump_profile, err, mesh_options, run_async
 from hypermesh.config import AgentConfig, parse_locality_delay
 from hypermesh.errors import UsageError
+from hypermesh.exposure import dashboard_token
 
 
 @click.group()
@@ -150,6 +151,21 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     "when --tls-* makes the agent's port mutual TLS.",
 )
 @click.option(
+    "--dashboard-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="File whose first line is the dashboard's login token (16+ characters); "
+    "required for a dashboard beyond loopback [env HYPERMESH_DASHBOARD_TOKEN].",
+)
+@click.option(
+    "--dashboard-host",
+    "dashboard_hosts",
+    multiple=True,
+    metavar="NAME[:PORT]",
+    help="A host name browsers use for the dashboard, besides IP addresses, localhost "
+    "and this machine's name (repeatable) [env HYPERMESH_DASHBOARD_HOSTS, comma-separated].",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     help="Allow plaintext listeners beyond loopback: gRPC without --tls-*, the dashboard, "
@@ -191,6 +207,8 @@ def agent_start(
     task_env: tuple[str, ...],
     insecure: bool,
     health_listen: str | None,
+    dashboard_token_file: Path | None,
+    dashboard_hosts: tuple[str, ...],
 ) -> None:
     """Start the agent: register, lead when elected, claim and run tasks.
 
@@ -213,6 +231,7 @@ def agent_start(
         "metrics_listen": None if metrics_listen == "off" else metrics_listen,
         "task_env": task_env,
         "tls": mesh.tls,
+        "etcd_security": mesh.etcd_security,
         "insecure": insecure,
         "health_listen": health_listen,
     }
@@ -239,6 +258,11 @@ def agent_start(
     try:
         overrides["locality_delay"] = parse_locality_delay(locality_delay)
         overrides["peer_sharing"] = peer_sharing == "on"
+        overrides["dashboard_token"] = dashboard_token(dashboard_token_file)
+        env_hosts = os.environ.get("HYPERMESH_DASHBOARD_HOSTS", "").split(",")
+        overrides["dashboard_hosts"] = (
+            *dashboard_hosts, *(h.strip() for h in env_hosts if h.strip())
+        )
         cfg = AgentConfig.local(**overrides) if preset == "local" else AgentConfig.lan(**overrides)
     except UsageError as exc:
         err(f"error: {exc}")

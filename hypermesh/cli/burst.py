@@ -8,6 +8,7 @@ tick, so a change applies within a tick. Exit codes as for the rest of the CLI.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import click
@@ -82,6 +83,11 @@ async def pool_set(mesh: Mesh, name: str, kind: str, price: float, spot_price: f
         declared.options.get("launch_template") or declared.options.get("image_id")
     ):
         raise UsageError("an ec2 pool needs --option launch_template=ID or --option image_id=AMI")
+    ca_dir = declared.options.get("ca_dir")
+    if ca_dir and not all((Path(ca_dir) / f).is_file() for f in ("ca.pem", "ca-key.pem")):
+        raise UsageError(f"--option ca_dir={ca_dir}: no ca.pem and ca-key.pem there (the "
+                         f"local pool's nodes run on this machine); `hypermesh tls init "
+                         f"{ca_dir}` makes them")
     async with mesh.connect() as etcd:
         replaced = await etcd.get(mesh.ks.pool(name)) is not None
         await etcd.put(mesh.ks.pool(name), dumps(declared.to_json()))

@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 
 import click
 
-from hypermesh.cli.tls_options import TLS_PARAMS, tls_options
+from hypermesh.cli.tls_options import ETCD_PARAMS, TLS_PARAMS, etcd_options, tls_options
 from hypermesh.config import ENV_ETCD, ENV_NAMESPACE, default_etcd, default_namespace
 from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
+from hypermesh.etcd_security import PLAINTEXT, EtcdSecurity
 from hypermesh.state.etcd import Etcd, parse_endpoints
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace
@@ -120,19 +121,25 @@ def run_async(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
 
 
 class Mesh:
-    """Where the CLI finds the mesh: etcd endpoints and namespace, and the TLS files
-    (``--tls-*``; None: plaintext) its connections to agents use."""
+    """Where the CLI finds the mesh: etcd endpoints and namespace, how etcd is reached
+    (``--etcd-*``), and the TLS files (``--tls-*``; None: plaintext) its connections to
+    agents use."""
 
-    def __init__(self, etcd: str, namespace: str, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, etcd: str, namespace: str, tls: TlsFiles | None = None,
+        etcd_security: EtcdSecurity = PLAINTEXT,
+    ) -> None:
         self.tls = tls
         self.endpoints = parse_endpoints(etcd)
+        etcd_security.check_scheme(etcd)
+        self.etcd_security = etcd_security
         try:
             self.ks = Keyspace(namespace)
         except ValueError as exc:
             raise UsageError(f"--namespace: {exc}") from exc
 
-    def connect(self) -> Etcd:
-        return Etcd(self.endpoints)
+    def connect(self, timeout: float = 5.0) -> Etcd:
+        return Etcd(self.endpoints, timeout=timeout, security=self.etcd_security)
 
 
 override_option = click.option(
@@ -146,8 +153,8 @@ override_option = click.option(
 
 
 def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``--etcd``, ``--namespace`` and ``--tls-*`` on every command (the first two
-    also accepted before it)."""
+    """``--etcd``, ``--namespace``, ``--etcd-*`` and ``--tls-*`` on every command (the
+    first two also accepted before it)."""
     fn = click.option(
         "--namespace",
         "namespace",
@@ -164,6 +171,7 @@ def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     )(fn)
 
     fn = tls_options(fn)
+    fn = etcd_options(fn)
 
     @wraps(fn)
     def wrapper(*args: Any, etcd: str | None, namespace: str | None, **kwargs: Any) -> Any:
@@ -172,7 +180,8 @@ def mesh_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         namespace = namespace or root.get("namespace") or default_namespace()
         try:
             tls = TlsFiles.from_options(*(kwargs.pop(k) for k in TLS_PARAMS))
-            mesh = Mesh(etcd, namespace, tls)
+            security = EtcdSecurity.from_options(*(kwargs.pop(k) for k in ETCD_PARAMS))
+            mesh = Mesh(etcd, namespace, tls, security)
         except UsageError as exc:
             err(f"error: {exc}")
             sys.exit(2)

@@ -22,7 +22,6 @@ from hypermesh.cli.common import Mesh, err, mesh_options, override_option, print
 from hypermesh.errors import Problem, RecipeError
 from hypermesh.recipe.plan import TaskPlan, plan_tasks
 from hypermesh.recipe.recipe import Recipe, load_recipe
-from hypermesh.state.etcd import Etcd
 from hypermesh.state.settings import DEFAULT_MAX_WORKFLOW_TASKS, load_settings
 
 ETCD_WAIT_S = 3.0
@@ -84,7 +83,7 @@ async def _mesh_cap(mesh: Mesh) -> tuple[int, str]:
     cannot be read)."""
     try:
         async with asyncio.timeout(ETCD_WAIT_S):
-            async with Etcd(mesh.endpoints, timeout=ETCD_WAIT_S) as etcd:
+            async with mesh.connect(timeout=ETCD_WAIT_S) as etcd:
                 settings, _ = await load_settings(etcd, mesh.ks)
         return settings.max_workflow_tasks, "mesh"
     except Exception as exc:  # offline is a normal way to run validate: any failure

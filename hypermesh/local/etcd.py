@@ -1,7 +1,9 @@
 """A real etcd on this machine: one server or a small cluster on loopback ports.
 
 Every process started is stopped by ``stop()`` and by the context managers, also when the
-caller fails.
+caller fails. One server may serve TLS (certificates from ``hypermesh/tls.py``, naming
+127.0.0.1 and localhost), ask clients for a certificate (``--client-cert-auth``) and have
+its auth enabled (``enable_auth``, through the etcdctl beside the server binary).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hypermesh.local.processes import free_port, stop_process, wait_for
+from hypermesh.tls import TlsFiles
 
 
 def etcd_binary() -> str:
@@ -33,6 +36,17 @@ def etcd_binary() -> str:
     )
 
 
+def etcdctl_binary() -> str:
+    """The etcdctl beside the etcd server binary, else on the PATH."""
+    candidate = Path(etcd_binary()).parent / "etcdctl"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("etcdctl")
+    if found:
+        return found
+    raise FileNotFoundError("no etcdctl beside etcd nor on the PATH")
+
+
 class EtcdServer:
     """One etcd member on free loopback ports with its own data directory."""
 
@@ -46,8 +60,17 @@ class EtcdServer:
         name: str = "hm",
         initial_cluster: str | None = None,
         extra_args: Sequence[str] = (),
+        tls: TlsFiles | None = None,
+        client_cert_auth: bool = False,
     ) -> None:
-        """``extra_args``: more etcd flags, e.g. ``["--quota-backend-bytes", "8388608"]``."""
+        """``extra_args``: more etcd flags, e.g. ``["--quota-backend-bytes", "8388608"]``.
+        ``tls``: serve clients https with ``tls.cert``/``tls.key`` (health is then read on
+        a plaintext metrics port); ``client_cert_auth``: require a client certificate
+        signed by ``tls.ca``. The server's own pair is etcdctl's client certificate."""
+        self.tls = tls
+        self.client_cert_auth = client_cert_auth
+        self.metrics_port = free_port() if tls is not None else None
+        self.root_password: str | None = None
         self.data_dir = Path(data_dir)
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -59,7 +82,38 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://127.0.0.1:{self.client_port}"
+
+    def tls_args(self) -> list[str]:
+        if self.tls is None:
+            return []
+        args = ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                "--listen-metrics-urls", f"http://127.0.0.1:{self.metrics_port}"]
+        if self.client_cert_auth:
+            args += ["--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
+        return args
+
+    def etcdctl(self, *args: str, user: str | None = "root", password: str | None = None,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run ``etcdctl ARGS`` against this server (TLS as it serves; as ``user``, with
+        ``password`` or, for root, the one ``enable_auth`` set, once auth is on)."""
+        cmd = [etcdctl_binary(), "--endpoints", self.url]
+        if self.tls is not None:
+            cmd += ["--cacert", str(self.tls.ca), "--cert", str(self.tls.cert),
+                    "--key", str(self.tls.key)]
+        secret = password or (self.root_password if user == "root" else None)
+        if user is not None and secret is not None:
+            cmd += ["--user", f"{user}:{secret}"]
+        return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=30,
+                              check=check)
+
+    def enable_auth(self, root_password: str) -> None:
+        """Add the root user (with the root role) and turn etcd's auth on."""
+        self.etcdctl("user", "add", f"root:{root_password}", user=None)
+        self.etcdctl("user", "grant-role", "root", "root", user=None)
+        self.etcdctl("auth", "enable", user=None)
+        self.root_password = root_password
 
     def start(self, timeout: float = 30.0, wait: bool = True) -> EtcdServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +143,7 @@ class EtcdServer:
         ]
         if not self.fsync:
             args.append("--unsafe-no-fsync")
+        args += self.tls_args()
         args += self.extra_args
         with open(self.data_dir / "etcd.log", "ab") as log:
             self.proc = subprocess.Popen(
@@ -106,8 +161,9 @@ class EtcdServer:
         if self.proc is not None and self.proc.poll() is not None:
             log = (self.data_dir / "etcd.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{log}")
+        base = self.url if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}"
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as resp:
+            with urllib.request.urlopen(f"{base}/health", timeout=1) as resp:
                 return b'"health":"true"' in resp.read()
         except OSError:
             return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -22,7 +23,21 @@ from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio.kv import KVService, prefix_range_end
 
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
-from hypermesh.errors import EtcdUnavailable, LeaseLost, UsageError
+from hypermesh.errors import (
+    EtcdAuthFailed,
+    EtcdPermissionDenied,
+    EtcdUnavailable,
+    LeaseLost,
+    UsageError,
+)
+from hypermesh.etcd_security import (
+    PLAINTEXT,
+    EtcdSecurity,
+    auth_refusal,
+    endpoints_scheme,
+    rpc_details,
+    tls_hint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +71,10 @@ def _cancelled(exc: BaseException) -> bool:
 
 
 def parse_endpoints(urls: str) -> list[str]:
-    """``http://h1:2379,h2:2379`` -> ``["h1:2379", "h2:2379"]``; names a bad entry."""
+    """``http://h1:2379,h2:2379`` -> ``["h1:2379", "h2:2379"]``; names a bad entry.
+    ``https://`` endpoints are TLS (``hypermesh/etcd_security.py``); one list never
+    mixes the two schemes."""
+    endpoints_scheme(urls)
     endpoints = []
     for raw in urls.split(","):
         raw = raw.strip()
@@ -64,9 +82,7 @@ def parse_endpoints(urls: str) -> list[str]:
             continue
         parsed = urlparse(raw if "://" in raw else f"http://{raw}")
         if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
-            raise UsageError(f"bad etcd endpoint {raw!r}: expected http://HOST:PORT")
-        if parsed.scheme == "https":
-            raise UsageError(f"etcd endpoint {raw!r}: TLS endpoints are not supported yet")
+            raise UsageError(f"bad etcd endpoint {raw!r}: expected http(s)://HOST:PORT")
         endpoints.append(f"{parsed.hostname}:{parsed.port}")
     if not endpoints:
         raise UsageError("no etcd endpoint given")
@@ -110,12 +126,32 @@ class TxnResult:
 
 
 class Etcd:
-    """A connected etcd client with the few operations hypermesh needs."""
+    """A connected etcd client with the few operations hypermesh needs.
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    ``security`` (``hypermesh/etcd_security.py``): with a CA the channel is TLS, checked
+    against the first endpoint's host name (every member's certificate must carry it);
+    with a user, the client authenticates at ``connect`` and again, once, whenever etcd
+    answers that its token expired (simple tokens lapse after ``--auth-token-ttl``
+    unused, JWTs at their expiry) or that the auth store changed since, in every call,
+    watch and lease keep-alive. Only ``_authenticate`` changes the token."""
+
+    def __init__(
+        self, endpoints: Sequence[str], *, timeout: float = 5.0,
+        security: EtcdSecurity = PLAINTEXT,
+    ) -> None:
         self.endpoints = list(endpoints)
         self.timeout = timeout
-        self.client = Etcd3Client(self.endpoints, rpc_max_attempts=5)
+        self.security = security
+        self._token_gen = 0  # raised by every authentication
+        self._auth_lock = asyncio.Lock()
+        server_name = None
+        if security.tls and self.endpoints:
+            server_name = self.endpoints[0].rpartition(":")[0].strip("[]")
+        tls = security.conn_args()
+        self.client = Etcd3Client(
+            self.endpoints, rpc_max_attempts=5, tls_server_name=server_name,
+            ca_cert=tls.get("ca_cert"), cert_chain=tls.get("cert_chain"),
+            cert_key=tls.get("cert_key"))
         # etcd3aio takes no channel options; its connection manager's list is read
         # when connect() opens the channel. Without the attribute (another etcd3aio
         # version) the channel keeps gRPC's defaults, which only costs idle CPU.
@@ -139,18 +175,80 @@ class Etcd:
         if addresses != self.endpoints and isinstance(getattr(manager, "target", None), str):
             manager.target = "ipv4:" + ",".join(addresses)  # type: ignore[union-attr]
         await self.client.connect()
+        if self.security.user:
+            if warning := self.security.cleartext_warning(self.endpoints):
+                log.warning(warning)
+            await self._authenticate()
 
     async def close(self) -> None:
         await self.client.close()
+
+    # ------------------------------------------------------------------ auth
+    async def _authenticate(self, stale: int | None = None) -> None:
+        """Get a token for the user and use it from now on. ``stale``: the token
+        generation a failed call used; if another caller renewed it since, nothing to do.
+        Wrong credentials raise ``EtcdAuthFailed``."""
+        user, password = self.security.user, self.security.password
+        if not user:
+            return
+        async with self._auth_lock:
+            if stale is not None and stale != self._token_gen:
+                return
+            assert self.client.auth is not None, "not connected"
+            try:
+                resp = await self.client.auth.authenticate(user, password or "",
+                                                           timeout=self.timeout)
+            except (grpc.aio.AioRpcError, EtcdError, TimeoutError) as exc:
+                if auth_refusal(exc) is None:
+                    raise self._translate("authenticate", exc) from exc
+                detail = rpc_details(exc).removeprefix("etcdserver: ")
+                raise EtcdAuthFailed(
+                    f"etcd authentication failed for user {user!r} at "
+                    f"{','.join(self.endpoints)}: {detail}"
+                ) from None
+            self.client.set_token(resp.token)
+            self._token_gen += 1
+            if stale is not None:
+                log.info("etcd: authenticated again as %s (the token had expired)", user)
+
+    def _token_expired(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says our token is no longer good (expired, or issued before
+        the auth store changed): authenticating again may help."""
+        if not self.security.user:
+            return False
+        rpc = exc if isinstance(exc, grpc.aio.AioRpcError) else exc.__cause__
+        if not isinstance(rpc, grpc.aio.AioRpcError):
+            return False
+        details = rpc.details() or ""
+        return rpc.code() == grpc.StatusCode.UNAUTHENTICATED or (
+            "auth store is old" in details or "invalid auth token" in details
+        )
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """The gRPC metadata that carries the token, for streams opened on the stub."""
+        lease = self.client.lease
+        return getattr(lease, "_metadata", None) or None
+
+    async def _authed(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """``await make()``; made once more after authenticating again if etcd said the
+        token expired. Other errors pass through untranslated."""
+        generation = self._token_gen
+        try:
+            return await make()
+        except (grpc.aio.AioRpcError, EtcdError) as exc:
+            if not self._token_expired(exc):
+                raise
+        await self._authenticate(stale=generation)
+        return await make()
 
     @property
     def kv(self) -> KVService:
         assert self.client.kv is not None, "not connected"
         return self.client.kv
 
-    async def _call(self, what: str, coro: Awaitable[Any]) -> Any:
+    async def _call(self, what: str, make: Callable[[], Awaitable[Any]]) -> Any:
         try:
-            return await coro
+            return await self._authed(make)
         except (grpc.aio.AioRpcError, EtcdError, TimeoutError) as exc:
             raise self._translate(what, exc) from exc
 
@@ -165,6 +263,18 @@ class Etcd:
             ):
                 return LeaseLost(f"etcd {what}: the lease is gone")
         at = ",".join(self.endpoints)
+        refused = auth_refusal(exc)
+        if refused is not None:
+            user = self.security.user
+            who = f"user {user!r}" if user else (
+                "the client certificate's user" if self.security.cert else "no user")
+            if refused == grpc.StatusCode.UNAUTHENTICATED:
+                return EtcdAuthFailed(f"etcd authentication failed at {at} ({who}): "
+                                      f"{_first_line(rpc_details(exc))}")
+            return EtcdPermissionDenied(
+                f"etcd {what} at {at}: permission denied for {who}"
+                + ("" if user or self.security.cert else
+                   " (etcd has auth enabled: give --etcd-user, or a client certificate)"))
         if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in _UNREACHABLE:
             return EtcdUnavailable(f"etcd {what} failed at {at}: {exc.code().name}: "
                                    f"{_first_line(exc.details())}")
@@ -182,10 +292,10 @@ class Etcd:
             text = exc.details() or exc.code().name
         if "Connection refused" in text:
             return "connection refused"
-        return _first_line(text) or type(exc).__name__
+        return tls_hint(_first_line(text), self.security.tls) or type(exc).__name__
 
     async def get(self, key: str) -> tuple[bytes, int] | None:
-        resp = await self._call("get", self.kv.get(key, timeout=self.timeout))
+        resp = await self._call("get", functools.partial(self.kv.get, key, timeout=self.timeout))
         if not resp.kvs:
             return None
         return resp.kvs[0].value, resp.kvs[0].mod_revision
@@ -215,8 +325,9 @@ class Etcd:
         limit = min(most, FIRST_PAGE_KEYS)
         while True:
             try:
-                resp = await self.kv.get(key, range_end=stop, revision=revision, limit=limit,
-                                         timeout=self.timeout)
+                resp = await self._authed(functools.partial(
+                    self.kv.get, key, range_end=stop, revision=revision, limit=limit,
+                    timeout=self.timeout))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
                     limit //= 2
@@ -234,7 +345,8 @@ class Etcd:
             limit = max(1, min(most, limit * PAGE_BYTES // max(1, size)))
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
-        resp = await self._call("put", self.kv.put(key, value, lease=lease, timeout=self.timeout))
+        resp = await self._call("put", functools.partial(
+            self.kv.put, key, value, lease=lease, timeout=self.timeout))
         return int(resp.header.revision)
 
     async def txn(
@@ -257,10 +369,12 @@ class Etcd:
         fail_ops = failure
         while True:
             try:
-                resp = await self.kv.txn(
-                    compare, success, fail_ops,
+                # refused for an expired token, a transaction did nothing: _authed
+                # makes it once more with a new one
+                resp = await self._authed(functools.partial(
+                    self.kv.txn, compare, success, fail_ops,
                     timeout=max(deadline - loop.time(), 0.05), max_attempts=1,
-                )
+                ))
             except (grpc.aio.AioRpcError, EtcdError, TimeoutError) as exc:
                 if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
                     raise asyncio.CancelledError from exc
@@ -327,7 +441,8 @@ class Etcd:
     # ------------------------------------------------------------------ leases
     async def grant(self, ttl: int) -> int:
         assert self.client.lease is not None
-        resp = await self._call("lease grant", self.client.lease.grant(ttl, timeout=self.timeout))
+        resp = await self._call("lease grant", functools.partial(
+            self.client.lease.grant, ttl, timeout=self.timeout))
         return int(resp.ID)
 
     async def revoke(self, lease: int) -> None:
@@ -335,7 +450,8 @@ class Etcd:
         reached, and an unreachable etcd will expire it by itself."""
         assert self.client.lease is not None
         with contextlib.suppress(EtcdUnavailable, LeaseLost):
-            await self._call("lease revoke", self.client.lease.revoke(lease, timeout=self.timeout))
+            await self._call("lease revoke", functools.partial(
+                self.client.lease.revoke, lease, timeout=self.timeout))
 
     async def keepalive_once(self, lease: int) -> int:
         """Renew ``lease`` once; returns the TTL etcd granted (<= 0: the lease is gone)."""
@@ -381,7 +497,8 @@ class Etcd:
             # (the dependency is pinned to an exact version for this reason). Requests
             # are written, not drawn from an async generator: grpc.aio closing one that
             # is asleep when the connection breaks logs errors.
-            stream = self.client.lease._stub.LeaseKeepAlive()
+            generation = self._token_gen
+            stream = self.client.lease._stub.LeaseKeepAlive(metadata=self._metadata())
             try:
                 while True:
                     await stream.write(request)
@@ -401,6 +518,9 @@ class Etcd:
                 if _cancelled(exc):
                     raise asyncio.CancelledError from exc
                 log.warning("lease %x keep-alive: %s", lease, exc)
+                if self._token_expired(exc):
+                    with contextlib.suppress(EtcdUnavailable, EtcdAuthFailed):
+                        await self._authenticate(stale=generation)
             finally:
                 stream.cancel()
             if clock() - last_ok >= ttl:
@@ -413,8 +533,8 @@ class Etcd:
         """The first ``limit`` keys under ``prefix``, in key order, without values."""
         resp = await self._call(
             "range",
-            self.kv.get(prefix, range_end=prefix_range_end(prefix), limit=limit,
-                        keys_only=True, timeout=self.timeout),
+            functools.partial(self.kv.get, prefix, range_end=prefix_range_end(prefix),
+                              limit=limit, keys_only=True, timeout=self.timeout),
         )
         return [kv.key for kv in resp.kvs]
 
@@ -435,13 +555,16 @@ class Etcd:
         """Maintenance status of the member this client reaches (``dbSize``,
         ``dbSizeInUse``, ``dbSizeQuota`` from etcd 3.6, ``header.revision``...)."""
         assert self.client.maintenance is not None
-        return await self._call("status", self.client.maintenance.status(timeout=self.timeout))
+        return await self._call(
+            "status", functools.partial(self.client.maintenance.status, timeout=self.timeout))
 
     async def compact(self, revision: int) -> bool:
-        """Compact etcd's history up to ``revision``; False if it already was (etcd's own
-        auto-compaction, or another leader, got further)."""
+        """Compact etcd's history up to ``revision``, returning once the old revisions are
+        gone from the database; False if it already was (etcd's own auto-compaction, or
+        another leader, got further)."""
         try:
-            await self.kv.compact(revision, timeout=self.timeout)
+            await self._authed(functools.partial(self.kv.compact, revision, physical=True,
+                                                 timeout=self.timeout))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
                 return False
@@ -454,7 +577,8 @@ class Etcd:
         """Defragment the member this client reaches (it answers nothing meanwhile)."""
         assert self.client.maintenance is not None
         await self._call(
-            "defragment", self.client.maintenance.defragment(timeout=timeout, max_attempts=1)
+            "defragment",
+            functools.partial(self.client.maintenance.defragment, timeout=timeout, max_attempts=1),
         )
 
     async def disarm_nospace(self) -> bool:
@@ -464,11 +588,13 @@ class Etcd:
 
         maintenance = self.client.maintenance
         assert maintenance is not None
-        alarms = await self._call("alarms", maintenance.alarms(timeout=self.timeout))
+        alarms = await self._call(
+            "alarms", functools.partial(maintenance.alarms, timeout=self.timeout))
         raised = [a.memberID for a in alarms.alarms if a.alarm == AlarmType.NOSPACE]
         for member in raised:
-            await self._call("alarm disarm", maintenance.alarm_deactivate(
-                AlarmType.NOSPACE, member_id=member, timeout=self.timeout))
+            await self._call("alarm disarm", functools.partial(
+                maintenance.alarm_deactivate, AlarmType.NOSPACE, member_id=member,
+                timeout=self.timeout))
         return bool(raised)
 
     # ------------------------------------------------------------------ watching
@@ -528,12 +654,22 @@ class Etcd:
                     on_batch(revision)
                     if ready is not None:
                         ready.set()
+                generation = self._token_gen
                 stream = cast(AsyncGenerator[Any, None], self.client.watch.watch(  # it is one
                     prefix, range_end=prefix_range_end(prefix), start_revision=revision + 1
                 ))
                 opened = False
                 try:
                     async for resp in stream:
+                        if resp.canceled and not resp.compact_revision and self.security.user:
+                            # etcd checks the token when a watch is created: refused, it
+                            # has most likely expired. Resume with a new one.
+                            log.info("watch on %s refused (%s); authenticating again",
+                                     prefix, resp.cancel_reason)
+                            await self._authenticate(stale=generation)
+                            await asyncio.sleep(backoff)
+                            backoff = min(backoff * 2, 5.0)
+                            break
                         if resp.compact_revision or resp.canceled:
                             log.warning("watch on %s compacted or cancelled; reloading", prefix)
                             revision = 0
@@ -569,6 +705,9 @@ class Etcd:
                 if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
                     raise asyncio.CancelledError from exc
                 log.warning("mirror of %s: %s; retrying in %.1fs", prefix, exc, backoff)
+                if self._token_expired(exc):
+                    with contextlib.suppress(EtcdUnavailable):
+                        await self._authenticate()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 

@@ -7,17 +7,20 @@ on, and the leader notes it in its decision log (``agent/leader/housekeeping.py`
 
 The size and the size in use come from the member's maintenance status. The quota does
 from etcd 3.6 on (``dbSizeQuota``); etcd 3.5 reports it only on its ``/metrics`` page
-(``etcd_server_quota_backend_bytes``), read from the same client URL. Failing both, the
-default quota is assumed.
+(``etcd_server_quota_backend_bytes``), read from the same client URL (https, with the
+client's CA and certificate, when the client uses TLS). Failing both, the default quota
+is assumed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 import urllib.request
 from dataclasses import dataclass
 
+from hypermesh.etcd_security import EtcdSecurity
 from hypermesh.state.etcd import Etcd
 
 DEFAULT_QUOTA = 2 * 1024**3
@@ -71,11 +74,17 @@ def parse_quota(metrics: bytes) -> int | None:
         return None
 
 
-def _metrics_quota(endpoint: str, timeout: float) -> int | None:
+def _metrics_quota(endpoint: str, timeout: float, security: EtcdSecurity) -> int | None:
+    context = None
     try:
-        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=timeout) as resp:
+        if security.ca is not None:
+            context = ssl.create_default_context(cafile=str(security.ca))
+            if security.cert is not None and security.key is not None:
+                context.load_cert_chain(str(security.cert), str(security.key))
+        url = f"{'https' if context else 'http'}://{endpoint}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
             return parse_quota(resp.read())
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
@@ -86,5 +95,5 @@ async def db_size(etcd: Etcd, endpoint: str | None = None, timeout: float = 2.0)
     endpoint = endpoint or etcd.endpoints[0]
     quota: int | None = int(getattr(status, "dbSizeQuota", 0) or 0)
     if not quota:
-        quota = await asyncio.to_thread(_metrics_quota, endpoint, timeout)
+        quota = await asyncio.to_thread(_metrics_quota, endpoint, timeout, etcd.security)
     return DbSize(endpoint, int(status.dbSize), int(status.dbSizeInUse), quota or DEFAULT_QUOTA)

@@ -47,6 +47,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
 - ``settings``: mesh-wide settings (``hypermesh/state/settings.py``: the task cap of a
   workflow, how long finished workflows are kept); by ``hypermesh settings``.
+- ``compacted``: the revision the leader last compacted etcd to, when and by whom; by
+  the leader's housekeeping, after each compaction (``agent/leader/housekeeping.py``).
 
 One kind lives beside the namespace, not under it, so that the agents' watch of the
 namespace never sees it (it changes with every cold chunk read):
@@ -152,6 +154,10 @@ class Keyspace:
     @property
     def settings(self) -> str:
         return f"{self.root}settings"
+
+    @property
+    def compacted(self) -> str:
+        return f"{self.root}compacted"
 
     # -- workflows
     def workflow(self, wid: str) -> str:

@@ -44,6 +44,7 @@ class Snapshot:
     state_revision: int
     control: ExperimentControl
     expanded: frozenset[str]  # experiments whose tasks were written
+    extra_samples: dict[str, int]  # every experiment's samples added live (``extend``)
 
 
 async def _read(etcd: Etcd, ks: Keyspace, wid: str, experiment: str | None) -> Snapshot:
@@ -56,14 +57,19 @@ async def _read(etcd: Etcd, ks: Keyspace, wid: str, experiment: str | None) -> S
         raise NotFound(f"workflow {wid} has no experiment {experiment!r} (it has: {names})")
     current = await etcd.get(ks.workflow_state(wid))
     state, revision = (json.loads(current[0])["state"], current[1]) if current else ("pending", 0)
-    control = ExperimentControl()
+    # Every control write also rewrites the state key (read above), so the state
+    # revision a change compares fences all of these too.
+    controls: dict[str, ExperimentControl] = {}
     if experiment is not None:
-        got = await etcd.get(ks.experiment_control(wid, experiment))
-        if got is not None:
-            control = ExperimentControl.from_json(json.loads(got[0]), got[1])
+        kvs, _ = await etcd.get_prefix(ks.kind_prefix("expctl", wid))
+        for kv in kvs:
+            name = kv.key.decode().rsplit("/", 1)[1]
+            controls[name] = ExperimentControl.from_json(json.loads(kv.value), kv.mod_revision)
+    control = controls.get(experiment or "", ExperimentControl())
+    extra = {name: c.extra_samples for name, c in controls.items() if c.extra_samples}
     kvs, _ = await etcd.get_prefix(ks.kind_prefix("expanded", wid))
     expanded = frozenset(kv.key.decode().rsplit("/", 1)[1] for kv in kvs)
-    return Snapshot(wf, state, revision, control, expanded)
+    return Snapshot(wf, state, revision, control, expanded, extra)
 
 
 async def _change(
@@ -141,11 +147,16 @@ async def extend_experiment(
 ) -> int:
     """Add ``samples`` tasks to an experiment; the leader writes them. Returns the
     experiment's new task count. Refused once a dependent experiment was expanded
-    (its inputs would change under it) or if the experiment was cancelled."""
+    (its inputs would change under it), if the experiment was cancelled, and
+    (``UsageError``, nothing written) if the workflow would then hold more tasks than
+    the mesh's ``max-workflow-tasks`` (``hypermesh/recipe/plan.py``)."""
+    from hypermesh.recipe.plan import plan_tasks
     from hypermesh.recipe.sampling import planned_count
+    from hypermesh.state.settings import load_settings
 
     if samples < 1:
         raise UsageError(f"--samples must be 1 or more, not {samples}")
+    settings, _ = await load_settings(etcd, ks)
 
     def dependents(snap: Snapshot) -> list[str]:
         return [e.name for e in snap.wf.recipe.experiments if experiment in e.after]
@@ -159,6 +170,14 @@ async def extend_experiment(
                 f"experiment {experiment} of {wid} has dependents that already started "
                 f"({', '.join(started)}); adding samples would change their inputs"
             )
+        extra = dict(snap.extra_samples)
+        extra[experiment] = extra.get(experiment, 0) + samples
+        plan = plan_tasks(snap.wf.recipe, settings.max_workflow_tasks).plus(extra)
+        if plan.over:
+            raise UsageError(plan.refusal(
+                f"with {samples:,} more sample(s) of {experiment}, workflow {wid} would plan",
+                "add fewer samples",
+            ))
         return replace(snap.control, extra_samples=snap.control.extra_samples + samples)
 
     def dependents_not_expanded(snap: Snapshot) -> list[Any]:

@@ -70,7 +70,9 @@ class Pool:
 
     options: dict[str, str] = field(default_factory=dict)
     """Provisioner settings (``--option KEY=VALUE``), e.g. ``region``,
-    ``launch_template``, ``image_id``, ``instance_type``, ``etcd`` for ec2."""
+    ``launch_template``, ``image_id``, ``instance_type``, ``etcd`` for ec2; ``ca_dir``
+    for local (an absolute path to a ``hypermesh tls init`` directory, whose CA issues
+    each node's certificate when the mesh runs TLS)."""
 
     def __post_init__(self) -> None:
         if not NAME_RE.fullmatch(self.name):
@@ -97,6 +99,13 @@ class Pool:
         for key in self.options:
             if not key or not key.replace("_", "").isalnum():
                 raise UsageError(f"--option {key!r}: keys are letters, digits and '_'")
+        ca_dir = self.options.get("ca_dir")
+        if ca_dir is not None and self.kind != "local":
+            raise UsageError("--option ca_dir applies to local pools (an ec2 node's "
+                             "certificates come through its tls_dir option)")
+        if ca_dir is not None and not ca_dir.startswith("/"):
+            raise UsageError(f"--option ca_dir={ca_dir}: give an absolute path (the leader "
+                             "reads it from its own working directory)")
 
     @property
     def provisioned(self) -> bool:

@@ -20,11 +20,19 @@ from hypermesh.state.view import MeshView
 from tests.conftest import Mesh
 
 
-def stand_in_leader(mesh: Mesh, etcd: Etcd) -> SimpleNamespace:
-    """What BurstDuty uses of its agent, around a real etcd client."""
+async def stand_in_leader(mesh: Mesh, etcd: Etcd) -> SimpleNamespace:
+    """What BurstDuty uses of its agent, around a real etcd client, standing with a real
+    candidacy key on a lease of its own (``lease``), as a leader does."""
     ks = Keyspace(mesh.namespace)
-    return SimpleNamespace(ks=ks, etcd=etcd, cfg=SimpleNamespace(name="lead", store=None),
-                           view=MeshView(ks), work_dir=Path(mesh.root), decide=lambda m: None)
+    lease = await etcd.grant(30)
+    stood = await etcd.txn([], [etcd.op_put(ks.candidate(lease), dumps({"node": "lead"}), lease)])
+    held = (ks.candidate(lease), stood.revision)
+    decisions: list[str] = []
+    return SimpleNamespace(ks=ks, etcd=etcd, cfg=SimpleNamespace(name="lead", store=None, tls=None),
+                           view=MeshView(ks), work_dir=Path(mesh.root),
+                           decide=decisions.append, decisions=decisions, lease=lease,
+                           candidacy=lambda: held, is_leader=True, lease_is_lost=False,
+                           state="alive")
 
 
 def test_event_log_keeps_the_last_n_across_leaders(mesh: Mesh) -> None:
@@ -33,7 +41,7 @@ def test_event_log_keeps_the_last_n_across_leaders(mesh: Mesh) -> None:
             ks = Keyspace(mesh.namespace)
             for i in range(12):  # a previous leader's events
                 await etcd.put(ks.event(1000 + i, "old"), dumps({"action": "launch", "n": i}))
-            duty = BurstDuty(stand_in_leader(mesh, etcd),  # type: ignore[arg-type]
+            duty = BurstDuty(await stand_in_leader(mesh, etcd),  # type: ignore[arg-type]
                              BurstConfig.local(events_kept=10))
             await duty._take_over()
             await duty._event("release", "cloud", node="cloud-1", reason="idle for 3s")
@@ -87,9 +95,11 @@ def test_events_cli_lists_and_follows(mesh: Mesh) -> None:
 
 
 def test_only_a_live_leader_makes_burst_decisions() -> None:
-    leader = SimpleNamespace(ks=None, is_leader=True, lease_is_lost=False, state="alive")
+    leader = SimpleNamespace(ks=None, is_leader=True, lease_is_lost=False, state="alive",
+                             candidacy=lambda: ("elect/1", 7))
     duty = BurstDuty(leader, BurstConfig.local())  # type: ignore[arg-type]
     assert duty.acting()
-    for change in ({"is_leader": False}, {"lease_is_lost": True}, {"state": "draining"}):
+    for change in ({"is_leader": False}, {"lease_is_lost": True}, {"state": "draining"},
+                   {"candidacy": lambda: None}):
         duty.agent = SimpleNamespace(**(vars(leader) | change))  # type: ignore[assignment]
         assert not duty.acting(), change

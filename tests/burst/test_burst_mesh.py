@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -22,6 +22,7 @@ import pytest
 from hypermesh.local.agents import hypermesh_command, mesh_agents, stop_all
 from hypermesh.local.mesh import LocalMesh
 from hypermesh.local.processes import wait_for
+from hypermesh.tls import certificate_name
 from tests.conftest import Mesh
 
 SWEEP = """\
@@ -162,15 +163,21 @@ def test_nothing_starts_without_a_backlog_that_may_burst(burst_mesh: Mesh) -> No
     assert not burst_processes(mesh)
 
 
+def cli_of(env: dict[str, str]) -> Callable[..., str]:
+    """The CLI as a user of the mesh whose environment is ``env`` runs it: its stdout."""
+
+    def hm(*args: str) -> str:
+        return subprocess.run([*hypermesh_command(), *args], env=env, check=True,
+                              capture_output=True, text=True, timeout=60).stdout
+
+    return hm
+
+
 def test_local_mesh_stops_the_agents_its_leader_started(tmp_path: Path) -> None:
     mesh = LocalMesh(tmp_path, agents=1, slots=1, namespace="burstclose", fsync=False)
     mesh.start()
     try:
-        env = dict(os.environ, **mesh.env())
-
-        def hm(*args: str) -> str:
-            return subprocess.run([*hypermesh_command(), *args], env=env, check=True,
-                                  capture_output=True, text=True, timeout=60).stdout
+        hm = cli_of(dict(os.environ, **mesh.env()))
 
         hm("pool", "set", "burst", "--kind", "local", "--max", "1", "--idle-timeout", "10m")
         recipe = tmp_path / "r.yaml"
@@ -181,6 +188,42 @@ def test_local_mesh_stops_the_agents_its_leader_started(tmp_path: Path) -> None:
     finally:
         mesh.close()
     assert mesh_agents(mesh.etcd.url, "burstclose") == []
+
+
+def test_burst_nodes_of_a_tls_mesh_join_with_certificates_of_their_own(tmp_path: Path) -> None:
+    """A mesh on mutual TLS: a pool with no CA starts nothing and says why; given the
+    mesh CA's directory, its node gets a certificate for its name and gossips."""
+    mesh = LocalMesh(tmp_path, agents=1, slots=1, namespace="bursttls", fsync=False, tls=True)
+    mesh.start()
+    try:
+        hm = cli_of(dict(os.environ, **mesh.env()))
+
+        def burst_rows() -> list[dict[str, Any]]:
+            rows = json.loads(hm("nodes", "--json", "--via", "node1"))
+            return [n for n in rows if n["pool"] == "burst"]
+
+        pool = ("pool", "set", "burst", "--kind", "local", "--max", "1", "--idle-timeout", "10m")
+        hm(*pool)
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(SWEEP.format(values="0, 1, 2, 3", seconds=2))
+        hm("submit", str(recipe))
+
+        def refusal() -> list[str]:
+            out = hm("events", "--json").splitlines()
+            return [e["reason"] for e in map(json.loads, out) if e["action"] == "failed"]
+
+        (reason, *_) = wait_for(refusal, 60, "the launch to be refused", interval=0.3)
+        assert "pool burst: the mesh uses TLS and the pool names no CA" in reason
+        assert not burst_rows()
+        hm(*pool, "--option", f"ca_dir={tmp_path / 'tls'}")
+        (row,) = wait_for(lambda: [r for r in burst_rows() if r["gossip"] == "alive"], 60,
+                          "the burst node to join gossip", interval=0.3)
+        name = row["name"]
+        pem = (tmp_path / "node1" / "burst" / name / f"{name}.pem").read_bytes()
+        assert certificate_name(pem) == name
+    finally:
+        mesh.close()
+    assert mesh_agents(mesh.etcd.url, "bursttls") == []
 
 
 def test_high_preemption_rate_makes_the_next_launch_on_demand(burst_mesh: Mesh) -> None:

@@ -266,7 +266,7 @@ def test_leader_duty_falls_back_records_and_releases(ec2: Any, moto_endpoint: st
 
     async def scenario() -> tuple[dict[str, Any], list[str], str]:
         async with Etcd(parse_endpoints(mesh.etcd.url)) as etcd:
-            leader = stand_in_leader(mesh, etcd)
+            leader = await stand_in_leader(mesh, etcd)
 
             async def reload() -> None:
                 leader.view.reset()

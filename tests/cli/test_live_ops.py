@@ -162,6 +162,28 @@ experiments:
     assert mesh.hm("extend", wid, "sweep", "--samples", "0").returncode == 2
 
 
+def test_extend_past_the_task_cap_is_refused_and_writes_nothing(mesh: Mesh) -> None:
+    mesh.hm("settings", "max-workflow-tasks=10", check=True)
+    recipe = mesh.write_recipe(
+        'experiments:\n  a: {samples: 4, command: ["true"]}\n'
+        '  b: {samples: 3, workers: 1, command: ["true"]}\n'
+    )
+    wid = mesh.submit(recipe)  # no agent: the workflow stays pending, live changes still apply
+    assert mesh.hm_json("extend", wid, "a", "--samples", "2")["total"] == 6  # 9 in all
+    refused = mesh.hm("extend", wid, "b", "--samples", "2")
+    assert refused.returncode == 2, refused.stderr
+    assert f"workflow {wid} would plan 11 tasks (a 6, b 5)" in refused.stderr
+    assert "max-workflow-tasks (10)" in refused.stderr
+    assert "`hypermesh settings max-workflow-tasks=11`" in refused.stderr
+    totals = mesh.hm_json("status", wid)["experiments"]
+    assert (totals["a"]["total"], totals["b"]["total"]) == (6, 3)  # nothing written
+    assert mesh.hm_json("extend", wid, "b", "--samples", "1")["total"] == 4  # 10: at the cap
+    # scale changes how many tasks run at once, never how many there are: not capped
+    assert mesh.hm_json("scale", wid, "b", "--workers", "50")["workers"] == 50
+    mesh.hm("settings", "max-workflow-tasks=11", check=True)
+    assert mesh.hm_json("extend", wid, "b", "--samples", "1")["total"] == 5
+
+
 def test_retry_reruns_failed_tasks_and_keeps_their_history(mesh: Mesh) -> None:
     mesh.agent(slots=2)
     recipe = mesh.write_recipe(

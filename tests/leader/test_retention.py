@@ -11,6 +11,7 @@ from hypermesh.agent.leader.compaction import (
     HousekeepingConfig,
     MiB,
     RevisionLog,
+    with_test_timings,
     worth_defragmenting,
 )
 from hypermesh.agent.leader.retention import Ended, Retention, due, leftover_wids
@@ -72,6 +73,30 @@ def test_compaction_goes_to_a_revision_seen_keep_seconds_ago() -> None:
     assert log.target(200.0, cfg) == 200
     log.done(200.0, 200)
     assert log.target(400.0, cfg) is None  # nothing new since the last compaction
+
+
+def test_the_leader_s_own_record_of_a_compaction_is_not_compacted_again() -> None:
+    cfg = HousekeepingConfig(compact_keep_s=60.0, compact_every_s=30.0)
+    log = RevisionLog()
+    log.record(0.0, 100)
+    assert log.target(60.0, cfg) == 100
+    log.done(60.0, 100)
+    log.passed(101)  # the record of that compaction, written at 101
+    log.record(61.0, 101)
+    assert log.target(500.0, cfg) is None  # an idle mesh: nothing more to compact
+    log.record(510.0, 102)  # a change of the mesh's own
+    assert log.target(570.0, cfg) == 102
+
+
+def test_test_timings_replace_the_preset_s_and_only_timings() -> None:
+    cfg = with_test_timings(HousekeepingConfig.local(), "compact_keep_s=3, defrag_every_s=4")
+    assert (cfg.compact_keep_s, cfg.defrag_every_s) == (3.0, 4.0)
+    assert cfg.defrag_min_free == HousekeepingConfig.local().defrag_min_free
+    assert with_test_timings(cfg, None) is cfg
+    with pytest.raises(ValueError, match="defrag_min_free"):
+        with_test_timings(cfg, "defrag_min_free=0")
+    with pytest.raises(ValueError, match="compact_keep_s"):
+        with_test_timings(cfg, "compact_keep_s=0")
 
 
 def test_a_new_leader_compacts_only_after_keeping_its_own_history() -> None:

@@ -32,7 +32,8 @@ def test_parse_endpoints() -> None:
         "127.0.0.1:2379",
         "10.0.0.2:2380",
     ]
-    for bad in ("", "ftp://x:1", "http://host", "https://h:1"):
+    assert parse_endpoints("https://h1:2379,https://h2:2379") == ["h1:2379", "h2:2379"]
+    for bad in ("", "ftp://x:1", "http://host", "https://h:1,http://h:2", "https://h:1,h:2"):
         with pytest.raises(UsageError):
             parse_endpoints(bad)
 

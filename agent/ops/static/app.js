@@ -26,6 +26,7 @@ function svg(tag, attrs, ...children) {
 
 async function getJSON(url) {
   const resp = await fetch(url, { cache: "no-store" });
+  if (resp.status === 401) location.assign("/login"); // the session expired: log in again
   const body = await resp.json();
   if (!resp.ok) throw new Error(body.error || resp.statusText);
   return body;
@@ -214,7 +215,7 @@ function renderNodes(data) {
       h("td", {}, n.incarnation ?? "-"), h("td", {}, n.pool || "-"), h("td", {}, n.slots ?? "-"),
       h("td", {}, n.running), h("td", {}, n.gpus ?? "-"), h("td", {}, n.leader ? "★" : ""),
       telemetryCell(n),
-      h("td", {}, n.http ? h("a", { href: `http://${n.http}/` }, n.http) : "-"))));
+      h("td", {}, n.http ? h("a", { href: `${location.protocol}//${n.http}/` }, n.http) : "-"))));
   const usage = data.nodes.flatMap((n) => (n.task_usage || []).map((u) => ({ ...u, node: n.name })));
   document.querySelector("#usage-table tbody").replaceChildren(...(usage.length ? usage.map((u) =>
     h("tr", { "data-usage": u.task_id, "data-cpu": u.cpu_percent.toFixed(1) },
