@@ -43,7 +43,7 @@ from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess
 from hypermesh.local.etcd import EtcdServer
-from hypermesh.local.pki import CLI_USER, LocalPki
+from hypermesh.local.pki import LocalPki
 from hypermesh.local.processes import unmount_under, wait_for
 from hypermesh.local.s3server import S3Server
 from hypermesh.tls import TlsFiles
@@ -62,14 +62,13 @@ def read_all(path: Path) -> tuple[int, float]:
     return n, time.perf_counter() - t0
 
 
-TLS: TlsFiles | None = None
-"""With ``--tls``: the files this script (a mesh user) reaches the agents with."""
 AGENT_TLS: dict[str, TlsFiles] = {}
 """With ``--tls``: each agent's own files, which it gives the mounts it starts."""
 
 
 def holders(agent: AgentProcess, chunks: list[str]) -> list[set[str]]:
-    with agent_channel(agent.address, TLS, aio=False) as channel:
+    # LocateChunks is for agents and their mounts: ask as the agent's mount would.
+    with agent_channel(agent.address, AGENT_TLS.get(agent.name), aio=False) as channel:
         reply = agent_pb2_grpc.AgentStub(channel).LocateChunks(
             agent_pb2.LocateChunksRequest(chunks=chunks), timeout=5
         )
@@ -83,7 +82,7 @@ def mount(agent: AgentProcess, store_url: str, name: str) -> MountProcess:
     return MountProcess(
         name, mnt, cache_dir=work / "cache" / name, store_url=store_url,
         cache_size="4GiB", agent=agent.address,
-        env=None if TLS is None else dict(os.environ, **AGENT_TLS[agent.name].env()),
+        env=dict(os.environ, **AGENT_TLS[agent.name].env()) if AGENT_TLS else None,
     ).start()
 
 
@@ -155,7 +154,6 @@ def main() -> None:
                         help="mutual TLS between the agents and between each mount and its "
                              "agent (a mesh CA made for the run)")
     args = parser.parse_args()
-    global TLS
     with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
         root = Path(tmp)
         etcd = EtcdServer(root / "etcd", fsync=False)
@@ -168,7 +166,6 @@ def main() -> None:
             os.environ.update(s3.client_env())
             store_url = s3.url(BUCKET, "share")
             pki = LocalPki(root / "tls") if args.tls else None
-            TLS = None if pki is None else pki.member(CLI_USER)
             for name in ("a", "b"):
                 extra = ["--store", store_url]
                 if pki is not None:
