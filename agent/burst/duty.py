@@ -161,35 +161,16 @@ class BurstDuty:
         return pools
 
     async def tick(self, now: float) -> None:
-        view = self.agent.full_view()
-        declared = self._declared()
-        if not declared and not view.instances:
+        if not self._declared() and not self.agent.view.instances:
             self._last_tick = now
             return  # nothing to scale and no prices: no work, no writes
-        pools = burst_view.pools_in_use(view, declared)
-        self._integrate(now)
-        backlog, self._backlog_since = burst_view.backlog(
-            view, pools, self._backlog_since, now, self.cfg.default_task_s
-        )
-        nodes, self._busy_at = burst_view.nodes(view, self._busy_at, now)
         await self._mark_registered()
-        preempted = tuple(v for v in burst_view.vanished(view) if v[1] in pools)
-        snap = Snapshot(
-            pools=pools,
-            nodes=nodes,
-            starting=burst_view.starting(view, now),
-            backlog=backlog,
-            history=self._history(now),
-            preempted=preempted,
-            on_demand_lost=frozenset(
-                node for node, _ in preempted if not view.instances[node].get("spot")
-            ),
-        )
+        snap = self._snapshot(now)
         for action in decide(snap, self.cfg):
             if isinstance(action, Launch):
-                await self._launch(action, pools[action.pool], now)
+                await self._launch(action, snap.pools[action.pool], now)
             elif isinstance(action, Release):
-                await self._release(action, pools.get(action.pool))
+                await self._release(action, snap.pools.get(action.pool))
             elif isinstance(action, Forget):
                 if action.node not in snap.on_demand_lost:  # the spot preemption rate
                     self._preempted.setdefault(action.pool, deque()).append(now)
@@ -199,6 +180,32 @@ class BurstDuty:
         if now - self._last_flush >= self.cfg.usage_flush_s:
             await self._flush_usage()
             self._last_flush = now
+
+    def _snapshot(self, now: float) -> Snapshot:
+        """What the policy decides on, read from the mirror in one step: no await in
+        here, so no event lands half-way (a node that registers between reading the
+        nodes and reading the starting ones would be counted in neither, and the
+        pool would grow past its max)."""
+        view = self.agent.full_view()
+        pools = burst_view.pools_in_use(view, self._declared())
+        self._integrate(now)
+        backlog, self._backlog_since = burst_view.backlog(
+            view, pools, self._backlog_since, now, self.cfg.default_task_s
+        )
+        nodes, self._busy_at = burst_view.nodes(view, self._busy_at, now)
+        preempted = tuple(v for v in burst_view.vanished(view) if v[1] in pools)
+        return Snapshot(
+            pools=pools,
+            nodes=nodes,
+            starting=burst_view.starting(view, now),
+            backlog=backlog,
+            history=self._history(now),
+            preempted=preempted,
+            on_demand_lost=frozenset(
+                node for node, _ in preempted if not view.instances[node].get("spot")
+            ),
+            leaving=burst_view.leaving(view),
+        )
 
     def _history(self, now: float) -> dict[str, PoolHistory]:
         history = {}

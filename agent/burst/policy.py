@@ -16,7 +16,8 @@ What ``decide`` guarantees, whatever the snapshot:
   that a preempted node of the pool left behind), by enough nodes to drain
   that backlog within ``target_drain_s``;
 - nodes are never started when nothing is pending, and a pool never has more
-  than ``max_nodes`` running plus starting;
+  than ``max_nodes`` running, starting or on their way out (released or
+  draining: they exist until gone);
 - spot first, on-demand when the pool recently refused spot capacity or when
   its recent preemption fraction (counting the preemptions seen this tick) is
   too high; every launch says why (``Launch.market``);
@@ -169,6 +170,9 @@ class Snapshot:
     on_demand_lost: frozenset[str] = frozenset()
     """Those of ``preempted`` that were on-demand: lost (crashed), replaced like the
     others, but no part of the pool's spot preemption rate."""
+    leaving: tuple[tuple[str, str], ...] = ()
+    """(node, pool) of owned nodes on their way out (released, or draining): no
+    capacity, but they exist until gone and count against the pool's max."""
 
 
 # ---------------------------------------------------------------------- actions
@@ -277,6 +281,10 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
     for s in snap.starting:
         if s.pool in count:
             count[s.pool] += 1
+    staying = dict(count)  # what min_nodes keeps: nodes on their way out are not kept
+    for _, name in snap.leaving:
+        if name in count:
+            count[name] += 1
 
     # Capacity in slots per pool: free slots of registered nodes plus the slots
     # of nodes still starting. Static pools are drawn on first.
@@ -339,7 +347,7 @@ def decide(snap: Snapshot, cfg: BurstConfig) -> list[Action]:
             continue
         if n.idle_s < its_pool.idle_timeout:
             continue
-        if count[n.pool] - releasing.get(n.pool, 0) <= its_pool.min_nodes:
+        if staying[n.pool] - releasing.get(n.pool, 0) <= its_pool.min_nodes:
             continue
         releasing[n.pool] = releasing.get(n.pool, 0) + 1
         actions.append(Release(n.name, n.pool, f"idle for {n.idle_s:.0f}s"))

@@ -118,6 +118,17 @@ def starting(view: MeshView, now: float) -> tuple[Starting, ...]:
     )
 
 
+def leaving(view: MeshView) -> tuple[tuple[str, str], ...]:
+    """(node, pool) of provisioned nodes on their way out: released and not yet
+    forgotten, or registered and draining (a spot notice, a drain)."""
+    return tuple(
+        (name, str(i.get("pool")))
+        for name, i in sorted(view.instances.items())
+        if i.get("state") == "releasing"
+        or (name in view.nodes and view.nodes[name].state != "alive")
+    )
+
+
 def registered(view: MeshView, name: str) -> bool:
     """Whether provisioned node ``name`` registered: it is, or the view saw it (a node
     preempted between two burst ticks registered without the leader marking it)."""

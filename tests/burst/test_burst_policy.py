@@ -252,3 +252,20 @@ def test_never_exceeds_max(pending: int, running_cloud: int) -> None:
     assert running_cloud + launched <= BURST.max_nodes
     if pending == 0:
         assert launched == 0
+
+
+@pytest.mark.parametrize("leaving", [0, 1, 2, 3])
+def test_nodes_on_their_way_out_count_against_max(leaving: int) -> None:
+    """A released or draining node exists until it is gone: the pool never has more
+    than max_nodes at once, so its replacement waits."""
+    snap = Snapshot(POOLS, nodes=(static_node(),), backlog=(backlog(100),),
+                    leaving=tuple((f"c{i}", "cloud") for i in range(leaving)))
+    launched = sum(a.count for a in decide(snap, CFG) if isinstance(a, Launch))
+    assert launched == BURST.max_nodes - leaving
+
+
+def test_nodes_on_their_way_out_are_not_kept_for_min_nodes() -> None:
+    pool = Pool("cloud", kind="local", max_nodes=3, min_nodes=1, idle_timeout=60)
+    snap = Snapshot({"cloud": pool}, nodes=(cloud_node("c1", idle_s=600),),
+                    leaving=(("c2", "cloud"),))
+    assert not [a for a in decide(snap, CFG) if isinstance(a, Release)]

@@ -115,6 +115,24 @@ def test_starting_and_vanished_records() -> None:
     assert burst_view.vanished(feed.view) == (("cloud-3", "cloud"),)
 
 
+def test_released_and_draining_nodes_are_leaving() -> None:
+    feed = Feed()
+    node(feed, "cloud-1", pool="cloud", state="draining")  # a spot notice: not yet marked
+    node(feed, "cloud-2", pool="cloud")
+    node(feed, "cloud-3", pool="cloud")
+    feed.put(feed.ks.instance("cloud-1"), {"pool": "cloud", "state": "starting"})
+    feed.put(feed.ks.instance("cloud-2"), {"pool": "cloud", "state": "running"})
+    feed.put(feed.ks.instance("cloud-3"), {"pool": "cloud", "state": "releasing"})
+    feed.put(feed.ks.instance("cloud-4"), {"pool": "cloud", "state": "releasing"})  # gone
+    assert burst_view.leaving(feed.view) == (
+        ("cloud-1", "cloud"), ("cloud-3", "cloud"), ("cloud-4", "cloud")
+    )
+    states, _ = burst_view.nodes(feed.view, {}, 100.0)
+    starting = burst_view.starting(feed.view, 100.0)
+    # Every record is counted once: alive, starting or leaving.
+    assert {s.name for s in states} == {"cloud-2", "cloud-3"} and starting == ()
+
+
 def test_a_node_gone_before_the_leader_marked_it_running_vanished() -> None:
     """A spot node that registers and is preempted between two burst ticks stays
     ``starting`` in its record; the view saw it up, so it is gone, not booting."""
