@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -102,6 +103,7 @@ class Gossip:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.data_channels: dict[str, grpc.aio.Channel] = {}
         self.links: dict[str, PeerLink] = {}
+        self._link_member: dict[str, str] = {}  # address -> the member last sent to there
         self.revoked: set[tuple[str, int]] = set()
         self._meta: dict[str, Any] = {}
         self._meta_at = 0.0
@@ -226,8 +228,10 @@ class Gossip:
                     self.cfg.probe_timeout,
                     self._on_reply,
                     self._on_failed,
+                    functools.partial(self._on_broken, out.address),
                 )
                 self.links[out.address] = link
+            self._link_member[out.address] = out.to
             link.send(out, _encode(out))
 
     def _decode(self, payload: bytes) -> Message:
@@ -252,6 +256,13 @@ class Gossip:
         except ValueError:
             return  # counted; the peer's other replies still count
         self._send(self.swim.receive(message, time.monotonic()))
+        self._wake_if_due()
+
+    def _on_broken(self, address: str) -> None:
+        member = self._link_member.get(address)
+        if self.swim is None or member is None:
+            return
+        self._send(self.swim.connection_lost(member, address, time.monotonic()))
         self._wake_if_due()
 
     def _on_failed(self, tag: object, was_refused: bool) -> None:

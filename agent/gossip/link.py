@@ -13,7 +13,9 @@ What the protocol learns from the transport, as with unary calls:
   port refused the connection (the process is gone: the fast path to a death
   verdict), not refused otherwise (a timeout: a stopped or partitioned peer);
 - a stream that broke is dropped at once, so the next message opens a new one and
-  a dead peer's refusal shows on it instead of a stale stream's error;
+  a dead peer's refusal shows on it instead of a stale stream's error; and the
+  protocol hears of it (``on_broken``): a peer whose process died closed its end,
+  and probing it now finds the death a protocol period sooner than its turn would;
 - nothing is ever retried here: the protocol's own timers decide what silence means.
 
 Owned by the agent's event loop.
@@ -50,7 +52,8 @@ class PeerLink:
 
     ``send`` never blocks. ``on_reply(payload)`` gets every message the peer sends
     back; ``on_failed(tag, refused)`` every message that could not be written, with
-    the tag given to ``send``.
+    the tag given to ``send``; ``on_broken()`` each stream that ended without our
+    closing it (the peer's end closed or the connection broke).
     """
 
     def __init__(
@@ -59,11 +62,13 @@ class PeerLink:
         write_timeout: float,
         on_reply: Callable[[bytes], None],
         on_failed: Callable[[object, bool], None],
+        on_broken: Callable[[], None] = lambda: None,
     ) -> None:
         self._stub = agent_pb2_grpc.AgentStub(channel)
         self._write_timeout = write_timeout
         self._on_reply = on_reply
         self._on_failed = on_failed
+        self._on_broken = on_broken
         self._queue: asyncio.Queue[tuple[object, bytes]] = asyncio.Queue(QUEUE_MAX)
         self._call: grpc.aio.StreamStreamCall | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -118,6 +123,7 @@ class PeerLink:
             log.exception("gossip reply could not be handled")
         if self._call is call:  # broken: the next message opens a new stream
             self._call = None
+            self._on_broken()
 
     def _drop(self) -> None:
         call, self._call = self._call, None

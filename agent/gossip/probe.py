@@ -117,6 +117,20 @@ def check_death(s: SwimState, target: str, now: float, out: list[Outgoing]) -> N
     _ping(s, target, rec, now, out)
 
 
+def connection_lost(s: SwimState, target: str, address: str, now: float,
+                    out: list[Outgoing]) -> None:
+    """Our stream to ``target`` at ``address`` broke (its process died, or the
+    connection did): probe it now rather than at its round-robin turn, up to a
+    protocol period per member away. A dead process then refuses the ping, and the
+    refused fast path declares it dead within a round trip or two; a live one acks."""
+    rec = s._table.get(target)
+    if s._left or rec is None or rec.state != ALIVE or rec.address != address:
+        return
+    if target == s.name or target in s._probing:
+        return
+    _ping(s, target, rec, now, out)
+
+
 def start_fast_probe(
     s: SwimState, target: str, rec: _Member, now: float, out: list[Outgoing]
 ) -> None:

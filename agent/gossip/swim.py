@@ -278,6 +278,13 @@ class Swim(SwimState):
                 probe.start_fast_probe(self, to, rec, now, out)
         return out
 
+    def connection_lost(self, member: str, address: str, now: float) -> list[Outgoing]:
+        """The transport's stream to ``member`` at ``address`` ended on its own: probe
+        the member out of turn (nothing if it is not alive to us or already probed)."""
+        out: list[Outgoing] = []
+        probe.connection_lost(self, member, address, now, out)
+        return out
+
     def check_death(self, member: str, now: float) -> list[Outgoing]:
         """Probe ``member``, which others reported dead, ourselves before acting on it:
         if the probe fails, :meth:`witnessed` says so; if it answers, it refutes (the

@@ -633,6 +633,39 @@ def test_a_refused_gossip_message_triggers_a_probe_of_its_receiver() -> None:
     assert wire.state("a", "d") == DEAD
 
 
+def test_a_lost_connection_probes_its_member_out_of_turn_and_a_dead_one_dies_at_once() -> None:
+    wire = Wire(["a", "b", "c", "d"])
+    wire.run_until(0.3)
+    wire.refusing.add("d")  # its process died: its port refuses
+    a = wire.nodes["a"]
+    out = a.connection_lost("d", "addr-d", wire.now)
+    assert [(o.message.kind, o.to) for o in out] == [("ping", "d")]
+    wire.deliver("a", out)  # refused, then refused through an indirect prober
+    assert wire.state("a", "d") == DEAD
+
+
+@pytest.mark.parametrize("case", ["probing", "moved", "suspect", "self", "left"])
+def test_a_lost_connection_probes_only_a_live_member_at_that_address(case: str) -> None:
+    wire = Wire(["a", "b", "c", "d"])
+    wire.run_until(0.3)
+    a = wire.nodes["a"]
+    member, address = "d", "addr-d"
+    if case == "probing":
+        assert a.connection_lost("d", "addr-d", wire.now)  # the first probes it
+    elif case == "moved":
+        address = "addr-elsewhere"  # a stream to where d used to be
+    elif case == "suspect":
+        a.receive(Message("gossip", "b", "addr-b", updates=(
+            Update("d", "addr-d", SUSPECT, 0, source="b"),)), wire.now)
+        assert wire.state("a", "d") == SUSPECT
+    elif case == "self":
+        member, address = "a", "addr-a"
+    else:
+        wire.deliver("d", wire.nodes["d"].leave(wire.now))
+        assert wire.state("a", "d") == LEFT
+    assert a.connection_lost(member, address, wire.now) == []
+
+
 def test_a_silent_member_waits_out_the_suspicion_even_when_many_probe_it() -> None:
     names = [f"n{i}" for i in range(10)]
     wire = Wire(names)

@@ -1,0 +1,94 @@
+"""agent/gossip/link.py against a real gRPC server in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+
+from hypermesh.agent.gossip.link import PeerLink
+
+SERVER = textwrap.dedent("""
+    import asyncio, grpc
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    class Echo(agent_pb2_grpc.AgentServicer):
+        async def GossipStream(self, packets, context):
+            async for packet in packets:
+                yield agent_pb2.GossipAck(replies=[packet.payload])
+
+    async def main():
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServicer_to_server(Echo(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        print(port, flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+""")
+
+
+async def _wait(event: asyncio.Event, what: str, timeout: float = 10.0) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"no {what} within {timeout} s") from None
+
+
+def test_a_peer_process_killed_breaks_the_stream_and_the_link_says_so() -> None:
+    async def run() -> None:
+        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            port = int(server.stdout.readline())
+            replied, broken, failed = asyncio.Event(), asyncio.Event(), []
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                link = PeerLink(channel, 2.0, lambda payload: replied.set(),
+                                lambda tag, was_refused: failed.append((tag, was_refused)),
+                                broken.set)
+                link.send("ping", b"hello")
+                await _wait(replied, "echo")
+                assert not broken.is_set()
+                server.send_signal(signal.SIGKILL)
+                server.wait(10)
+                await _wait(broken, "broken stream")  # without sending anything
+                link.send("ping", b"again")  # the next message finds the port refusing
+                for _ in range(200):
+                    if failed:
+                        break
+                    await asyncio.sleep(0.01)
+                assert failed == [("ping", True)]
+                await link.close()
+        finally:
+            server.kill()
+            server.wait(10)
+
+    asyncio.run(run())
+
+
+def test_closing_the_link_ourselves_is_not_a_broken_stream() -> None:
+    async def run() -> None:
+        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            port = int(server.stdout.readline())
+            replied, broken = asyncio.Event(), asyncio.Event()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                link = PeerLink(channel, 2.0, lambda payload: replied.set(),
+                                lambda tag, was_refused: None, broken.set)
+                link.send("ping", b"hello")
+                await _wait(replied, "echo")
+                await link.close()
+                await asyncio.sleep(0)  # let a (wrong) callback run, were one scheduled
+                assert not broken.is_set()
+        finally:
+            server.kill()
+            server.wait(10)
+
+    asyncio.run(run())
+
