@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import grpc
 
@@ -33,6 +35,22 @@ SERVER = textwrap.dedent("""
 """)
 
 
+@contextlib.contextmanager
+def echo_server() -> Iterator[subprocess.Popen[str]]:
+    """A gossip echo server in a process of its own; its port is on its first line."""
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        yield server
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def port_of(server: subprocess.Popen[str]) -> int:
+    assert server.stdout is not None
+    return int(server.stdout.readline())
+
+
 async def _wait(event: asyncio.Event, what: str, timeout: float = 10.0) -> None:
     try:
         await asyncio.wait_for(event.wait(), timeout)
@@ -42,10 +60,8 @@ async def _wait(event: asyncio.Event, what: str, timeout: float = 10.0) -> None:
 
 def test_a_peer_process_killed_breaks_the_stream_and_the_link_says_so() -> None:
     async def run() -> None:
-        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-        try:
-            assert server.stdout is not None
-            port = int(server.stdout.readline())
+        with echo_server() as server:
+            port = port_of(server)
             replied, broken, failed = asyncio.Event(), asyncio.Event(), []
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 link = PeerLink(channel, 2.0, lambda payload: replied.set(),
@@ -64,19 +80,14 @@ def test_a_peer_process_killed_breaks_the_stream_and_the_link_says_so() -> None:
                     await asyncio.sleep(0.01)
                 assert failed == [("ping", True)]
                 await link.close()
-        finally:
-            server.kill()
-            server.wait(10)
 
     asyncio.run(run())
 
 
 def test_closing_the_link_ourselves_is_not_a_broken_stream() -> None:
     async def run() -> None:
-        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
-        try:
-            assert server.stdout is not None
-            port = int(server.stdout.readline())
+        with echo_server() as server:
+            port = port_of(server)
             replied, broken = asyncio.Event(), asyncio.Event()
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 link = PeerLink(channel, 2.0, lambda payload: replied.set(),
@@ -86,9 +97,6 @@ def test_closing_the_link_ourselves_is_not_a_broken_stream() -> None:
                 await link.close()
                 await asyncio.sleep(0)  # let a (wrong) callback run, were one scheduled
                 assert not broken.is_set()
-        finally:
-            server.kill()
-            server.wait(10)
 
     asyncio.run(run())
 
