@@ -57,7 +57,7 @@ from hypermesh.agent.ops.health import Health
 from hypermesh.agent.ops.metrics import MetricsServer
 from hypermesh.agent.ops.telemetry import TaskRoot, Telemetry, detect_machine
 from hypermesh.agent.scheduler import Scheduler
-from hypermesh.agent.server import AgentServicer
+from hypermesh.agent.server import LOCAL_SOCKET, AgentServicer, LocalSocket, local_socket_path
 from hypermesh.agent.share.config import ShareConfig
 from hypermesh.agent.share.duty import ChunkShare
 from hypermesh.agent.tasks.attempts import Attempts
@@ -208,6 +208,7 @@ class Agent:
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None  # --health-listen
+        self._local: LocalSocket | None = None  # the socket of this agent's mounts
         self.telemetry = Telemetry(self.work_dir, cfg.telemetry_period, cfg.telemetry_history)
         self.health: Health | None = None
         self.metrics: MetricsServer | None = None
@@ -277,7 +278,8 @@ class Agent:
         tune_gc()
         await self.etcd.connect()
         self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
-        agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(self), self._server)
+        servicer = AgentServicer(self)
+        agent_pb2_grpc.add_AgentServicer_to_server(servicer, self._server)
         self.health = Health(self._server)
         host = self.cfg.listen.rpartition(":")[0]
         warn_exposed(self.cfg)
@@ -288,11 +290,10 @@ class Agent:
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
         self.address = f"{host}:{port}"
-        if self.cfg.peer_sharing:
-            self.mounts.agent_address = self.address
-            self.mounts.tls = self.cfg.tls
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
+        if self.cfg.peer_sharing:
+            await self._serve_mounts(servicer)
         if self.cfg.health_listen is not None:
             self._health_server = await self.health.serve_plaintext(self.cfg.health_listen)
         if self.cfg.metrics_listen is not None:
@@ -362,6 +363,8 @@ class Agent:
             if self.metrics is not None:
                 await self.metrics.close()
             await self._server.stop(grace=1.0)
+            if self._local is not None:
+                await self._local.stop(grace=None)
             if self._health_server is not None:
                 await self._health_server.stop(grace=None)
             self.telemetry.close()
@@ -379,6 +382,29 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.mounts.close(), 4 * STOP_STEP_S)
             self.decide("stopped")
+
+    async def _serve_mounts(self, servicer: AgentServicer) -> None:
+        """Give the mounts this agent starts its Unix socket (``agent/server.py``), or
+        its TCP address (and its TLS files) where the socket's path is too long or the
+        socket cannot be served."""
+        path = local_socket_path(self.work_dir)
+        if path is not None:
+            local = LocalSocket(path, servicer)
+            try:
+                await local.start()
+            except OSError as exc:
+                await local.stop(grace=None)
+                log.warning("%s: no socket for mounts at %s (%s); they reach this agent "
+                            "at %s", self.cfg.name, path, exc, self.address)
+            else:
+                self._local = local
+                self.mounts.agent_address = local.address
+                return
+        else:
+            log.warning("%s: %s is too long for a Unix socket; mounts reach this agent "
+                        "at %s", self.cfg.name, self.work_dir / LOCAL_SOCKET, self.address)
+        self.mounts.agent_address = self.address
+        self.mounts.tls = self.cfg.tls
 
     async def _serve_dashboard(self, sock: socket.socket) -> None:
         """Serve the web dashboard on its bound socket. Its modules (aiohttp) load in

@@ -3,12 +3,18 @@
 Errors become gRPC status codes here and nowhere else. Under mutual TLS any mesh
 member may call; gossip and chunk reads only agents (``agent/peer_auth.py``), and a
 gossip message only in its caller's certificate's name.
+
+:class:`LocalSocket` serves the agent's own mounts on a Unix socket in its work
+directory: ``FetchFromPeers`` only, in plaintext, guarded by file permissions rather
+than certificates, so that a block a mount reads from a peer crosses one TLS hop
+(agent to agent), not two.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -20,7 +26,9 @@ from hypermesh.agent.gossip.link import serve_stream
 from hypermesh.agent.ops.telemetry import cpu_percent
 from hypermesh.agent.peer_auth import require_agent
 from hypermesh.agent.share.duty import PeerLost, stream_pieces
+from hypermesh.channels import UNIX_PREFIX
 from hypermesh.chunkfs.format import valid_chunk_id
+from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
 from hypermesh.state.keyspace import TaskRef
 
 if TYPE_CHECKING:
@@ -35,6 +43,11 @@ if TYPE_CHECKING:
 
 CHUNK = 64 * 1024
 FOLLOW_POLL_S = 0.2
+LOCAL_SOCKET = Path("run") / "agent.sock"
+"""The agent's Unix socket for its own mounts, under its work directory; its folder
+is the agent's user's alone (0700), the socket too (0600)."""
+UNIX_PATH_MAX = 107
+"""Longest path of a Unix socket in bytes (``sun_path`` holds 108, the last a NUL)."""
 
 
 class ServedAgent(Protocol):
@@ -233,6 +246,71 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             ],
             counters=self.agent.share.counters,
         )
+
+
+def local_socket_path(work_dir: Path) -> Path | None:
+    """Where the agent running in ``work_dir`` serves its own mounts, or None when that
+    path is too long for a Unix socket (its mounts then reach it at its TCP address)."""
+    path = work_dir / LOCAL_SOCKET
+    return path if len(os.fsencode(path)) <= UNIX_PATH_MAX else None
+
+
+def local_address(work_dir: Path) -> str | None:
+    """``unix:PATH`` of the socket of the agent running in ``work_dir`` while there is one,
+    for programs that start mounts as an agent does (benchmarks, tests)."""
+    path = local_socket_path(work_dir)
+    return f"{UNIX_PREFIX}{path}" if path is not None and path.is_socket() else None
+
+
+class LocalSocket:
+    """The agent's Unix socket for the mounts it starts: a gRPC server of its own that
+    serves ``FetchFromPeers`` (the main server's handler) and nothing else; any other
+    RPC answers UNIMPLEMENTED. It is plaintext: the folder (0700) and the socket (0600)
+    let only the agent's user connect. Only the agent's event loop starts and stops it;
+    :meth:`stop` removes the socket file."""
+
+    def __init__(self, path: Path, servicer: AgentServicer) -> None:
+        self.path = path
+        self.address = f"{UNIX_PREFIX}{path}"
+        # It receives only requests; the chunk bytes it sends are flow-controlled by
+        # the mount's side of the connection, which keeps gRPC's BDP probe.
+        self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
+        self._server.add_generic_rpc_handlers((_local_handlers(servicer),))
+        self._bound = False  # whether the socket file is this server's
+
+    async def start(self) -> None:
+        """Serve on the socket, replacing one a crashed agent left (raises OSError)."""
+        folder = self.path.parent
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError(f"{folder} is not a folder of this user: not serving a socket in it")
+        folder.chmod(0o700)  # an earlier one may have been made with other modes
+        self.path.unlink(missing_ok=True)
+        try:
+            self._server.add_insecure_port(self.address)
+        except RuntimeError as exc:  # gRPC's "failed to bind"
+            raise OSError(f"cannot listen on {self.address}: {exc}") from exc
+        self._bound = True
+        await self._server.start()
+        self.path.chmod(0o600)
+
+    async def stop(self, grace: float | None) -> None:
+        await self._server.stop(grace)
+        if self._bound:
+            self.path.unlink(missing_ok=True)
+
+
+def _local_handlers(servicer: AgentServicer) -> grpc.GenericRpcHandler:
+    """The local socket's one RPC, served by ``servicer``'s handler."""
+    service = agent_pb2.DESCRIPTOR.services_by_name["Agent"].full_name
+    return grpc.method_handlers_generic_handler(service, {
+        "FetchFromPeers": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchFromPeers,
+            request_deserializer=agent_pb2.ReadChunkRequest.FromString,
+            response_serializer=agent_pb2.ChunkBytes.SerializeToString,
+        ),
+    })
 
 
 def _attempts_logged(first: Path) -> list[int]:

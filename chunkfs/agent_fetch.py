@@ -9,6 +9,11 @@ source's are; this module only moves them.
 Each request says whether the mount's cache has room for the range without evicting a
 chunk the mesh may hold only here (``room``, the cache's ``has_room``): of the nodes
 that miss a cold run together, the agent lets one with room fetch it from the store.
+
+An agent gives the mounts it starts its Unix socket (``unix:PATH``, plaintext, for its
+own user only): under mutual TLS a block from a peer then crosses one TLS hop, agent to
+agent. Given HOST:PORT, the mount speaks to its agent as any client does (TLS when the
+mesh has it).
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ peer asked; a cold run's wait for the node fetching it); this only guards a stuc
 
 class AgentPeerFetch:
     """``peer_fetch(chunk_id, offset, length) -> bytes | None`` asking the agent at
-    ``address`` (mutual TLS with ``tls``: the agent lends its files to the mounts it
-    starts, in ``HYPERMESH_TLS_*``). Thread-safe (the reader calls it from its fetch threads)."""
+    ``address``: ``unix:PATH`` (plaintext, ``tls`` unused) or HOST:PORT (mutual TLS with
+    ``tls``, which an agent that has no socket lends its mounts in ``HYPERMESH_TLS_*``).
+    Thread-safe (the reader calls it from its fetch threads)."""
 
     def __init__(
         self, address: str, timeout_s: float = AGENT_TIMEOUT_S, tls: TlsFiles | None = None

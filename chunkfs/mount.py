@@ -1,7 +1,7 @@
 """``hypermesh mount``: serve one data set version at a mount point, in its own process.
 
     hypermesh mount NAME[@VERSION] MOUNTPOINT [--store URL] [--cache-dir DIR]
-                    [--cache-size 20GiB] [--deadline 30s] [--agent HOST:PORT]
+                    [--cache-size 20GiB] [--deadline 30s] [--agent HOST:PORT|unix:PATH]
                     [--foreground] [--log-file FILE]
 
 Without ``--foreground`` the command starts the file system in a detached process and
@@ -16,7 +16,8 @@ unmounts cleanly). A mount process whose mount point was unmounted exits.
 
 With ``--agent`` (mounts an agent starts get it), a chunk missing from the cache is
 asked of that agent first, which reads it from a peer that holds it
-(``chunkfs/agent_fetch.py``); without, it comes from the store.
+(``chunkfs/agent_fetch.py``; an agent passes its own Unix socket, ``unix:PATH``);
+without, it comes from the store.
 
 Inside the mount: the data set (read-only), ``.out/`` (writable, uploaded to the store
 on close: see ``outputs.py``) and ``.chunkfs-stats`` (JSON counters: blocks and bytes
@@ -49,6 +50,7 @@ from typing import Any, cast
 
 import click
 
+from hypermesh.channels import is_unix
 from hypermesh.chunkfs.agent_fetch import AGENT_TIMEOUT_S, AgentPeerFetch
 from hypermesh.chunkfs.buffers import BufferPool
 from hypermesh.chunkfs.cache import HAVE_FLUSH_INTERVAL, ChunkCache
@@ -444,8 +446,9 @@ class MountProcess:
               help="How long a read retries an unavailable store before it fails (EIO).")
 @click.option("--push-pages/--no-push-pages", default=True, show_default=True,
               help="Store what sequential readahead fetched straight into the page cache.")
-@click.option("--agent", "agent", default=None, metavar="HOST:PORT",
-              help="Ask this agent for chunks from peers before the store (agents pass it).")
+@click.option("--agent", "agent", default=None, metavar="HOST:PORT|unix:PATH",
+              help="Ask this agent for chunks from peers before the store (agents pass it: "
+                   "their socket, unix:WORK_DIR/run/agent.sock).")
 @click.option("--foreground", is_flag=True, help="Serve in this process until unmounted.")
 @click.option("--log-file", type=click.Path(path_type=Path), default=None,
               help="Log of the detached mount process [<cache-dir>/mount.log].")
@@ -498,8 +501,8 @@ def mount(
     # a peer's trouble must leave the read time to reach the store within its deadline
     peer_fetch = None
     if agent:
-        try:  # the files of the agent that started this mount, in HYPERMESH_TLS_*
-            tls = TlsFiles.from_options(None, None, None)
+        try:  # over TCP: the files of the agent that started this mount, in HYPERMESH_TLS_*
+            tls = None if is_unix(agent) else TlsFiles.from_options(None, None, None)
         except UsageError as exc:
             report(f"err 2 {exc}")
             sys.exit(2)

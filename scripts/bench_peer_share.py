@@ -4,13 +4,15 @@
     .venv/bin/python scripts/bench_peer_share.py [--size-mib 256] [--runs 3] [--json]
 
 Two agents on loopback (one etcd, one SeaweedFS), each with a mount started as an
-agent starts it (``--agent``, cache in the agent's work directory). Per run, with
+agent starts it (``--agent`` with the agent's Unix socket, cache in the agent's work
+directory). Per run, with
 fresh mounts and empty caches on both nodes:
 
 - ``store``: node a reads a ``--size-mib`` file cold (1 MiB reads): every block from
   the store;
 - ``peer``: once b knows that a holds every chunk, b reads the same file cold: every
-  block from a's cache, through the two agents (``FetchFromPeers`` → ``ReadChunk``);
+  block from a's cache, through the two agents (``FetchFromPeers`` on b's socket →
+  ``ReadChunk``, the one TLS hop with ``--tls``);
 - ``together``: both nodes read a second file cold at the same moment (deduplicated
   cold reads), and its wall time;
 - ``mesh_store_bytes_per_data_byte``: bytes both nodes fetched from the store in the
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
+from hypermesh.agent.server import local_address
 from hypermesh.channels import agent_channel
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
@@ -63,7 +66,8 @@ def read_all(path: Path) -> tuple[int, float]:
 
 
 AGENT_TLS: dict[str, TlsFiles] = {}
-"""With ``--tls``: each agent's own files, which it gives the mounts it starts."""
+"""With ``--tls``: each agent's own files (it lends them to the mounts it starts only
+where it has no Unix socket for them)."""
 
 
 def holders(agent: AgentProcess, chunks: list[str]) -> list[set[str]]:
@@ -79,10 +83,12 @@ def mount(agent: AgentProcess, store_url: str, name: str) -> MountProcess:
     work = agent.work_dir / "chunkfs"
     mnt = work / "mnt" / name
     mnt.mkdir(parents=True, exist_ok=True)
+    socket = local_address(agent.work_dir)  # as the agent's own mounts reach it
+    tls = AGENT_TLS.get(agent.name) if socket is None else None
     return MountProcess(
         name, mnt, cache_dir=work / "cache" / name, store_url=store_url,
-        cache_size="4GiB", agent=agent.address,
-        env=dict(os.environ, **AGENT_TLS[agent.name].env()) if AGENT_TLS else None,
+        cache_size="4GiB", agent=socket or agent.address,
+        env=None if tls is None else dict(os.environ, **tls.env()),
     ).start()
 
 
@@ -151,8 +157,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="only the JSON summary")
     parser.add_argument("--tls", action="store_true",
-                        help="mutual TLS between the agents and between each mount and its "
-                             "agent (a mesh CA made for the run)")
+                        help="mutual TLS between the agents (a mesh CA made for the run); "
+                             "each mount reaches its agent on the agent's Unix socket")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-share-") as tmp:
         root = Path(tmp)

@@ -24,6 +24,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from hypermesh.channels import is_unix
 from hypermesh.chunkfs.holdings import Holding, read_reads, scan, scan_root
 from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.errors import HypermeshError, UsageError
@@ -59,8 +60,10 @@ class Mounts:
         self.store_url = store_url
         self.cache_size = cache_size
         self.deadline = deadline
-        self.agent_address = ""  # where mounts ask for chunks from peers; set once serving
-        self.tls: TlsFiles | None = None  # the agent's TLS files, lent to its mounts
+        # Where mounts ask for chunks from peers, set once serving: the agent's Unix
+        # socket (unix:PATH), or its TCP address where it has none.
+        self.agent_address = ""
+        self.tls: TlsFiles | None = None  # the agent's TLS files, lent to mounts over TCP
         self._mounts: dict[str, asyncio.Task[MountProcess]] = {}
 
     async def ensure(self, spec: str) -> Path:
@@ -86,6 +89,7 @@ class Mounts:
         mountpoint = self.root / "mnt" / name
         _clear_stale(mountpoint)
         mountpoint.mkdir(parents=True, exist_ok=True)
+        tls = None if is_unix(self.agent_address) else self.tls  # a socket needs none
         mount = MountProcess(
             spec,
             mountpoint,
@@ -94,7 +98,7 @@ class Mounts:
             cache_size=self.cache_size,
             deadline=self.deadline,
             agent=self.agent_address or None,
-            env=dict(os.environ, **self.tls.env()) if self.tls is not None else None,
+            env=None if tls is None else dict(os.environ, **tls.env()),
         )
         log.info("mounting data set %s at %s", spec, mountpoint)
         return mount.start()
