@@ -6,6 +6,8 @@
 - ``run_async``: runs an async command and turns hypermesh errors into a message on
   stderr and the exit code (2 bad input, 1 a failure at run time);
 - ``load_view``: the records of a namespace, or of one workflow, read from etcd;
+- ``task_rows`` and ``listed_total``: ``tasks``' rows of a workflow, streamed a batch of
+  tasks at a time, and how many there are;
 - ``err``, ``print_json``, ``human_size`` and ``aligned``: a line on stderr, an object on
   stdout, a byte count as people read it, a table whose columns fit their content;
 - ``dump_profile``: the developer's profile (``HYPERMESH_PROFILE_DIR``), written by
@@ -20,19 +22,22 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import Callable, Container, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container, Coroutine
+from dataclasses import dataclass
 from functools import wraps
 from typing import Any, TypeVar
 
 import click
+from etcd3aio._protobuf import RangeRequest, RequestOp
 
 from hypermesh.cli.tls_options import ETCD_PARAMS, TLS_PARAMS, etcd_options, tls_options
 from hypermesh.config import ENV_ETCD, ENV_NAMESPACE, default_etcd, default_namespace
 from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
 from hypermesh.etcd_security import PLAINTEXT, EtcdSecurity
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.recipe.recipe import MAX_BLOCK
+from hypermesh.state.etcd import MAX_TXN_OPS, Etcd, parse_endpoints
 from hypermesh.state.folding import FOLD_AFTER_TASKS
-from hypermesh.state.keyspace import Keyspace
+from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.view import MeshView
 from hypermesh.tls import TlsFiles
 
@@ -253,3 +258,191 @@ async def load_view(
             apply(kvs, done)
     view.set_defer_batches(False)
     return view
+
+
+TASKS_PER_READ = 2048
+"""Tasks ``task_rows`` reads and turns into rows at a time (about 2 KB each in a view):
+what a listing holds in memory, whatever the workflow's size."""
+
+_PER_TASK_KINDS = ("task", "claim", "result", "attempt", "metrics", "gang")
+_LEAF_KINDS = ("task", "claim", "result", "block", "bclaim")  # one key per task or block
+
+
+@dataclass
+class ReadTally:
+    """What ``task_rows`` read: requests made and keys received (tests bound them)."""
+
+    requests: int = 0
+    keys: int = 0
+
+
+class _Reader:
+    """Range reads of one workflow at one revision, batched into read-only transactions
+    (``MAX_TXN_OPS`` ranges each), counted in ``tally``."""
+
+    def __init__(self, etcd: Etcd, ks: Keyspace, wid: str, tally: ReadTally) -> None:
+        self.etcd, self.ks, self.wid, self.tally = etcd, ks, wid, tally
+        self.at = 0
+
+    def op(self, key: str, end: str | None = None, *, keys_only: bool = False,
+           limit: int = 0) -> Any:
+        return RequestOp(request_range=RangeRequest(
+            key=key.encode(), range_end=end.encode() if end else b"", revision=self.at,
+            keys_only=keys_only, limit=limit))
+
+    def unit_op(self, kind: str, exp: str, index: int) -> Any:
+        """The keys of one task (or block) of ``kind``: the key itself, or those below it."""
+        key = f"{self.ks.kind_prefix(kind, self.wid)}{exp}/{index}"
+        return self.op(key) if kind in _LEAF_KINDS else self.op(f"{key}/", f"{key}0")
+
+    async def read(self, ops: list[Any]) -> list[Any]:
+        """The key-values of every range in ``ops``, in order."""
+        out: list[Any] = []
+        for i in range(0, len(ops), MAX_TXN_OPS):
+            done = await self.etcd.txn([], ops[i : i + MAX_TXN_OPS])
+            self.tally.requests += 1
+            self.at = self.at or done.revision
+            for response in done.responses:
+                out += response.response_range.kvs
+        self.tally.keys += len(out)
+        return out
+
+    async def present(self, kind: str, exp: str) -> bool:
+        """Whether the experiment has any key of ``kind``."""
+        prefix = f"{self.ks.kind_prefix(kind, self.wid)}{exp}/"
+        return bool(await self.read([self.op(prefix, _end(prefix), keys_only=True, limit=1)]))
+
+    async def block_firsts(self, exp: str) -> list[int]:
+        """The first indices of the experiment's blocks, in order (keys only: a few bytes
+        per block of up to 256 tasks)."""
+        prefix = f"{self.ks.kind_prefix('block', self.wid)}{exp}/"
+        firsts: list[int] = []
+        start = prefix
+        while True:
+            kvs = await self.read([self.op(start, _end(prefix), keys_only=True, limit=4096)])
+            firsts += (int(kv.key.decode()[len(prefix):]) for kv in kvs)
+            if len(kvs) < 4096:
+                return sorted(firsts)
+            start = kvs[-1].key.decode() + "\0"
+
+
+def _end(prefix: str) -> str:
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+async def task_rows(
+    etcd: Etcd, ks: Keyspace, wid: str, experiment: str | None = None,
+    tally: ReadTally | None = None,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """``hypermesh tasks``' rows of a workflow (or of one experiment), ``task_rows`` of
+    ``MeshView`` as a stream: in id order (experiments by name, tasks by index), read at
+    one revision ``TASKS_PER_READ`` tasks at a time, each batch of rows made from a view
+    of its own tasks' records and dropped once yielded. Memory is bounded whatever the
+    workflow's size (besides the block starts, a few bytes per block), and a caller that
+    stops early (``--limit``) reads no further. Raises NotFound for an unknown workflow.
+
+    Indices sort as numbers, their keys as strings (``task/W/E/10`` before ``.../9``), so
+    a range of keys is not a range of tasks: tasks are read by their own keys, batched
+    into transactions (per-task kinds the experiment has none of are skipped), and
+    blocks (up to 256 tasks each) by theirs, from the list of block starts."""
+    reader = _Reader(etcd, ks, wid, tally or ReadTally())
+    async for base, exp, count, unwritten in _listed_experiments(reader, experiment):
+        async for rows in _experiment_rows(reader, base, exp, count, unwritten):
+            for row in rows:
+                yield row
+
+
+async def listed_total(etcd: Etcd, ks: Keyspace, wid: str, experiment: str | None = None) -> int:
+    """How many rows ``task_rows`` yields, without reading them: per experiment its task
+    count where never-written tasks are listed, else its ``expanded`` count (batched)
+    or the number of its task keys (counted by etcd). For ``--limit``'s note."""
+    reader = _Reader(etcd, ks, wid, ReadTally())
+    total = 0
+    async for _, exp, count, unwritten in _listed_experiments(reader, experiment):
+        if unwritten or await reader.present("block", exp):
+            total += count
+        else:
+            prefix = f"{ks.kind_prefix('task', wid)}{exp}/"
+            done = await etcd.txn([], [RequestOp(request_range=RangeRequest(
+                key=prefix.encode(), range_end=_end(prefix).encode(), revision=reader.at,
+                count_only=True))])
+            total += int(done.responses[0].response_range.count)
+    return total
+
+
+async def _listed_experiments(
+    reader: _Reader, experiment: str | None
+) -> AsyncIterator[tuple[MeshView, str, int, bool]]:
+    """The experiments ``tasks`` lists, by name: a view of the workflow's own records,
+    the name, how many tasks it lists (``0..count-1``), and whether those never written
+    are listed (as cancelled: its workflow or itself was cancelled, or a dependency
+    failed, before they were). Raises NotFound for an unknown workflow."""
+    etcd, ks, wid = reader.etcd, reader.ks, reader.wid
+    base = MeshView(ks)
+    header = [reader.op(ks.workflow(wid)), reader.op(ks.workflow_state(wid))]
+    header += [reader.op(p, _end(p)) for p in (ks.kind_prefix("expanded", wid),
+                                               ks.kind_prefix("expctl", wid), ks.nodes)]
+    for kv in await reader.read(header):
+        base.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    if wid not in base.workflows:
+        raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
+    wf = base.workflows[wid]
+    summaries: MeshView | None = None  # the folded view, read if a dependency decides
+    for exp in sorted(wf.recipe.experiments, key=lambda e: e.name):
+        if experiment is not None and exp.name != experiment:
+            continue
+        expanded = base.expanded.get((wid, exp.name))
+        stopped = base.workflow_state(wid) == "cancelled" or base.experiment_cancelled(
+            wid, exp.name)
+        if expanded is None and not stopped and exp.after:  # blocked by a dependency?
+            summaries = summaries or await load_view(etcd, ks, wid, fold=True)
+            stopped = any(summaries.experiment_summary(wf, wf.recipe.experiment(d)).state
+                          in ("failed", "cancelled") for d in exp.after)
+        if expanded is None and not stopped:
+            yield base, exp.name, 0, False  # what is written of it so far, if anything
+        else:
+            yield base, exp.name, max(expanded or 0, base.target_count(wid, exp)), stopped
+
+
+async def _experiment_rows(
+    reader: _Reader, base: MeshView, exp: str, count: int, unwritten: bool
+) -> AsyncIterator[list[dict[str, Any]]]:
+    """The rows of one experiment's tasks, in index order, a batch of tasks at a time:
+    those written (tasks ``0..count-1``, or its blocks' tasks) and, when ``unwritten``,
+    those of ``0..count-1`` never written (listed as cancelled)."""
+    wid, ks = reader.wid, reader.ks
+    kinds = [k for k in _PER_TASK_KINDS if await reader.present(k, exp)]
+    firsts = await reader.block_firsts(exp) if await reader.present("block", exp) else []
+    per_read = max(1, TASKS_PER_READ // MAX_BLOCK)  # blocks in one read
+    batches_first = f"{ks.root}bdone/".encode()
+    lo, b = 0, 0  # the next task, the next block
+    while lo < count or b < len(firsts):
+        mine = firsts[b : b + per_read]
+        b += len(mine)
+        if b < len(firsts):
+            hi = firsts[b]
+        elif mine:  # the last blocks: up to the end of the last one, at most
+            hi = max(count, mine[-1] + MAX_BLOCK)
+        else:
+            hi = min(count, lo + TASKS_PER_READ)
+        ops = [reader.unit_op(k, exp, i) for i in range(lo, hi) for k in kinds]
+        ops += [reader.unit_op(k, exp, f) for f in mine for k in ("block", "bclaim", "bdone")]
+        view = MeshView(ks)  # of these tasks, with the workflow's records shared
+        for name in ("nodes", "workflows", "workflow_states", "workflow_reasons", "controls",
+                     "expanded"):
+            setattr(view, name, getattr(base, name))
+        kvs = await reader.read(ops)
+        kvs.sort(key=lambda kv: not kv.key.startswith(batches_first))  # as load_view does
+        for kv in kvs:
+            view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+        rows = []
+        for index in range(lo, hi):
+            ref = TaskRef(wid, exp, index)
+            if ref in view.tasks:
+                rows.append(view.task_json(ref))
+            elif unwritten and index < count:
+                rows.append({"id": ref.id, "experiment": exp, "index": index, "params": {},
+                             "state": "cancelled", "node": None, "attempts": [],
+                             "metrics": {}, "pruned": False})
+        yield rows
+        lo = hi

@@ -10,6 +10,7 @@ leader publishes (``_follow``). Changing a running workflow (``retry``, ``scale`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import sys
@@ -25,11 +26,13 @@ from hypermesh.cli.common import (
     Mesh,
     aligned,
     err,
+    listed_total,
     load_view,
     mesh_options,
     override_option,
     print_json,
     run_async,
+    task_rows,
 )
 from hypermesh.cli.ml import add_best, print_best_line
 from hypermesh.errors import NotFound, UsageError
@@ -272,26 +275,43 @@ async def tasks(
     A pending task that cannot start says why on the line below it (no live node has
     gpu k80, ...).
     """
+    shown, more = 0, False
     async with mesh.connect() as etcd:
-        view = await load_view(etcd, mesh.ks, workflow)
-    rows = view.task_rows(workflow, experiment)
-    if state_filter:
-        rows = [r for r in rows if r["state"] == state_filter]
-    if limit and len(rows) > limit:
-        err(f"note: {len(rows) - limit} more task(s) not listed (--limit {limit})")
-        rows = rows[:limit]
+        async with contextlib.aclosing(task_rows(etcd, mesh.ks, workflow, experiment)) as rows:
+            async for r in rows:
+                if state_filter and r["state"] != state_filter:
+                    continue
+                if limit and shown == limit:
+                    more = True  # read no further
+                    break
+                _print_task(r, as_json, shown == 0)
+                shown += 1
+        if more and not state_filter:
+            left = await listed_total(etcd, mesh.ks, workflow, experiment) - limit
+            err(f"note: {max(left, 1)} more task(s) not listed (--limit {limit})")
+        elif more:
+            err(f"note: more {state_filter} tasks not listed (--limit {limit})")
     if as_json:
-        print_json(rows)
+        click.echo("\n]" if shown else "[]")
+
+
+def _print_task(r: dict[str, Any], as_json: bool, first: bool) -> None:
+    """One row of ``tasks``: a line (and the reason a pending task waits), or with
+    ``as_json`` an element of the array, printed as ``print_json`` prints the whole."""
+    out = sys.stdout  # written, not echoed: click.echo flushes each line (a quarter slower)
+    if as_json:
+        element = json.dumps(r, indent=2).replace("\n", "\n  ")
+        out.write(("[\n  " if first else ",\n  ") + element)
         return
-    for r in rows:
-        last = r["attempts"][-1] if r["attempts"] else {}
-        params = " ".join(f"{k}={v}" for k, v in r["params"].items())
-        click.echo(
-            f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
-            f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}".rstrip()
-        )
-        if "waiting" in r:
-            click.echo(f"  {r['waiting']}")
+    last = r["attempts"][-1] if r["attempts"] else {}
+    params = " ".join(f"{k}={v}" for k, v in r["params"].items())
+    out.write(
+        f"{r['id']:<40} {r['state']:<10} {r['node'] or '-':<14} "
+        f"attempts={len(r['attempts'])} exit={last.get('exit_code', '-')} {params}".rstrip()
+        + "\n"
+    )
+    if "waiting" in r:
+        out.write(f"  {r['waiting']}\n")
 
 
 @click.command()
