@@ -74,7 +74,7 @@ from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.etcd_security import PLAINTEXT
 from hypermesh.exposure import dashboard_https, warn_exposed
-from hypermesh.state.etcd import Etcd, hush_broken_stream_noise
+from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, keepalive_interval
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import NodeRecord, dumps
@@ -157,6 +157,9 @@ class Agent:
         self.dirs = DirPool(self.work_dir / "spare-dirs")  # empty folders for attempts
         self.lease = 0
         self.last_renewal = time.monotonic()
+        # The lease this agent gave up while it could not reach etcd: its tasks are
+        # stopped, and gossip asks the peers that reach etcd to revoke it (its claims).
+        self.gave_up: int | None = None
         self.drain_grace: float | None = None
         self.written_revision = 0
         # A task gets the allow-listed part of the agent's environment, and what its
@@ -513,7 +516,8 @@ class Agent:
         while True:
             keeper = asyncio.create_task(
                 self.etcd.keep_lease(
-                    self.lease, self.cfg.lease_ttl, self.lease_lost.set, self._renewed
+                    self.lease, self.cfg.lease_ttl, self.lease_lost.set, self._renewed,
+                    give_up_after=give_up_after(self.cfg.lease_ttl),
                 )
             )
             try:
@@ -532,6 +536,12 @@ class Agent:
         self.blocks.drop_all()
         self.attempts.stop_all("node-lost", grace=0)
         await self.gangs.lease_lost()
+        while not self.attempts.processes_gone():  # an attempt set up meanwhile stops too
+            self.attempts.stop_all("node-lost", grace=0)
+            await asyncio.sleep(0.05)
+        # Stopped before anyone can take them over: now peers may revoke it for us (the
+        # attempts' ends are written, or found rejected, when etcd answers again).
+        self.gave_up = self.lease
         while self.running:
             await asyncio.sleep(0.05)
         while True:
@@ -541,6 +551,15 @@ class Agent:
             except EtcdUnavailable as exc:
                 log.warning("re-register failed: %s", exc)
                 await asyncio.sleep(1)
+        await self.etcd.revoke(self.gave_up)  # if no peer did: our old claims, at once
+        self.gave_up = None
         self.lease_lost.clear()
         self.decide(f"rejoined with lease {self.lease:x}")
         self.wakeup.set()
+
+
+def give_up_after(ttl: int) -> float:
+    """Seconds without an answered renewal after which an agent gives its lease up:
+    two renewal intervals (two renewals in a row failed), a third of the TTL before
+    etcd can expire it, so its tasks stop before any peer may take them over."""
+    return min(float(ttl), 2 * keepalive_interval(ttl))

@@ -84,6 +84,8 @@ class GossipHost(Protocol):
     share: ChunkShare
     mounts: Mounts
 
+    gave_up: int | None
+
     @property
     def lease_is_lost(self) -> bool: ...
 
@@ -258,6 +260,27 @@ class Gossip:
         self._send(self.swim.receive(message, time.monotonic()))
         self._wake_if_due()
 
+    def _reset_link(self, member: str) -> None:
+        """A probe of ``member`` failed: our next message to it goes over a new
+        connection. The old one may be dead without our knowing (a cut link, a NAT
+        that dropped it): TCP retransmits into it for seconds after the link heals, and
+        a member that is back would be suspected again, and declared dead, meanwhile."""
+        view = self.swim.member(member) if self.swim is not None else None
+        if view is None:
+            return
+        link = self.links.pop(view.address, None)
+        channel = self.channels.pop(view.address, None)
+
+        async def close() -> None:
+            if link is not None:
+                await link.close()
+            if channel is not None:
+                await channel.close()
+
+        task = asyncio.create_task(close())
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
     def _on_broken(self, address: str) -> None:
         member = self._link_member.get(address)
         if self.swim is None or member is None:
@@ -278,7 +301,7 @@ class Gossip:
         a = self.agent
         running = len(a.running)
         gpus_used = sum(r.gpus for r in a.running.values())
-        return {
+        meta = {
             "running": running,
             "slots": a.cfg.slots,
             "free_slots": max(0, a.cfg.slots - running),
@@ -291,6 +314,9 @@ class Gossip:
             # Lifeguard local health: peers skip waiting for a sick leader to act
             "health": self.swim.local_health if self.swim is not None else 0,
         }
+        if a.gave_up is not None:  # cut off from etcd: peers that reach it revoke this
+            meta["gave_up"] = f"{a.gave_up:x}"
+        return meta
 
     def _refresh_holdings(self, now: float) -> None:
         """Every ``scan_period_s`` (``ShareConfig``), look at what this node's chunk
@@ -340,6 +366,8 @@ class Gossip:
         a = self.agent
         for member, old, new in self.swim.drain_events():
             a.share.member_state(member, new)
+            if new == "suspect" and member != a.cfg.name:
+                self._reset_link(member)
             if old:  # a first sighting ("" -> alive) is not a decision
                 health = self.swim.local_health
                 sick = f" [local health {health}]" if health else ""
@@ -375,7 +403,46 @@ class Gossip:
             view = self.swim.member(member)
             if view is not None and member != self.agent.cfg.name:
                 share.observe(member, view.meta)
+                self._on_given_up(member, view.meta.get("gave_up"))
         share.tick()
+
+    def _on_given_up(self, member: str, flagged: object) -> None:
+        """``member`` says it gave its lease up (it cannot reach etcd; its tasks are
+        stopped): revoke that lease for it, so that its claims are taken over now
+        rather than when the lease expires. Only the lease its node record holds, as
+        for a death: the leader at once, the others if it has not after a while."""
+        a = self.agent
+        try:
+            lease = int(flagged, 16) if isinstance(flagged, str) else None
+        except ValueError:
+            return
+        node = a.view.nodes.get(member)
+        if lease is None or node is None or node.lease != lease or a.lease_is_lost:
+            return
+        if (member, lease) in self.revoked or not a.lease_fresh():
+            return  # done, or we may be the one cut off
+        self.revoked.add((member, lease))
+        leader = a.view.leader()
+        delay = 0.0
+        if leader not in (a.cfg.name, None, member) and not self._sick(leader):
+            delay = BACKUP_REVOKE_PERIODS * self.cfg.protocol_period
+        task = asyncio.create_task(self._revoke_given_up(member, lease, delay))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    async def _revoke_given_up(self, member: str, lease: int, delay: float) -> None:
+        a = self.agent
+        if delay:
+            await asyncio.sleep(delay)
+            node = a.view.nodes.get(member)
+            if node is None or node.lease != lease:
+                return  # revoked meanwhile (by the leader, or itself on its way back)
+        a.decide(f"gossip: {member} gave up its lease {lease:x} (it cannot reach etcd); "
+                 "revoking it")
+        try:
+            await a.etcd.revoke(lease)
+        except Exception:  # a failed revoke must not stop gossip; the TTL still ends it
+            log.exception("revoking the lease %s gave up", member)
 
     def _sick(self, member: str) -> bool:
         """Whether ``member`` last gossiped a local health too poor to act on deaths."""

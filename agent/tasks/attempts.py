@@ -130,6 +130,12 @@ class Attempts:
             if r.process is not None:
                 r.process.stop(reason, grace=grace)
 
+    def processes_gone(self) -> bool:
+        """Whether no attempt's process may still run: each has one, stopped before it
+        started or exited (an attempt still being set up has none yet)."""
+        return all(r.process is not None and r.process.pid is None
+                   for r in self.running.values())
+
     def stop_cancelled(self) -> None:
         """Stop the attempts of workflows and experiments cancelled since they started."""
         view = self.view

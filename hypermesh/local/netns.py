@@ -586,10 +586,11 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
         with contextlib.suppress(OSError), open(a.log_path, errors="replace") as log:
             log.seek(offsets[name])
             for line in log:
-                if "; revoking its lease" in line:
+                if "; revoking its lease" in line or "(it cannot reach etcd); revoking" in line:
                     when = _log_time(line) - cut_at
-                    whom = line.split(" gossip: ", 1)[1].split(" is dead", 1)[0]
-                    result.revokes.append(f"{name} -> {whom} at {when:+.1f}s")
+                    whom, why = line.split(" gossip: ", 1)[1].split(" ", 1)
+                    how = "gave up" if why.startswith("gave up") else "dead"
+                    result.revokes.append(f"{name} -> {whom} ({how}) at {when:+.1f}s")
     return result
 
 

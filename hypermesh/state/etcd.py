@@ -476,57 +476,59 @@ class Etcd:
         on_lost: Callable[[], None],
         on_renewed: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        give_up_after: float | None = None,
     ) -> None:
-        """Renew ``lease`` every ttl/3 s; call ``on_lost`` and return once it is gone.
-
-        Renewals go over one long-lived keep-alive stream (a new stream per
-        renewal costs an idle agent measurable CPU). The lease counts as gone when
-        etcd says so, or when no renewal has succeeded for a whole TTL (etcd will
-        have expired it by then). ``on_renewed(when)`` is told the clock time of
-        every successful renewal.
-        """
+        """Renew ``lease`` every ttl/3 s over one long-lived keep-alive stream (a stream
+        per renewal costs an idle agent measurable CPU); call ``on_lost`` and return once
+        etcd says it is gone, or no renewal sent in the last ``give_up_after`` s (default
+        the TTL) was answered. A renewal counts from when it was sent, so a lease given
+        up at ``give_up_after < ttl`` is given up before etcd can have expired it.
+        ``on_renewed(when)`` is told the send time of each renewal answered."""
         from etcd3aio._protobuf import LeaseKeepAliveRequest
 
         assert self.client.lease is not None
         interval = keepalive_interval(ttl)
+        give_up = ttl if give_up_after is None else give_up_after
         last_ok = clock()
 
         request = LeaseKeepAliveRequest(ID=lease)
         while True:
-            # etcd3aio exposes no persistent keep-alive stream; its stub is the way in
-            # (the dependency is pinned to an exact version for this reason). Requests
-            # are written, not drawn from an async generator: grpc.aio closing one that
-            # is asleep when the connection breaks logs errors.
+            # etcd3aio has no persistent keep-alive stream: its stub (hence the pinned
+            # version). Requests are written, not drawn from an async generator, which
+            # grpc.aio logs errors for when the connection breaks while it sleeps.
             generation = self._token_gen
             stream = self.client.lease._stub.LeaseKeepAlive(metadata=self._metadata())
             try:
                 while True:
-                    await stream.write(request)
+                    sent = clock()
+                    wait = min(self.timeout, max(0.05, last_ok + give_up - sent))
                     # asyncio.timeout, not wait_for: no task per renewal (3.11)
-                    async with asyncio.timeout(self.timeout):
+                    async with asyncio.timeout(wait):
+                        await stream.write(request)
                         answer = await stream.read()
                     if answer is grpc.aio.EOF:
                         break
                     if answer.TTL <= 0:
                         on_lost()
                         return
-                    last_ok = clock()
+                    last_ok = sent
                     if on_renewed is not None:
                         on_renewed(last_ok)
                     await asyncio.sleep(interval)
             except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError) as exc:
                 if _cancelled(exc):
                     raise asyncio.CancelledError from exc
-                log.warning("lease %x keep-alive: %s", lease, exc)
+                log.warning("lease %x keep-alive: %s", lease,
+                            exc if str(exc) else f"no answer within {wait:.1f}s")
                 if self._token_expired(exc):
                     with contextlib.suppress(EtcdUnavailable, EtcdAuthFailed):
                         await self._authenticate(stale=generation)
             finally:
                 stream.cancel()
-            if clock() - last_ok >= ttl:
+            if clock() - last_ok >= give_up:
                 on_lost()
                 return
-            await asyncio.sleep(min(interval, 0.5))
+            await asyncio.sleep(min(interval, 0.5, max(0.0, last_ok + give_up - clock())))
 
     # ------------------------------------------------------------------ upkeep
     async def keys(self, prefix: str, limit: int) -> list[bytes]:
@@ -783,8 +785,7 @@ def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def keepalive_interval(ttl: int) -> float:
-    """Seconds between lease renewals: a third of the TTL, so two renewals may fail
-    before the lease expires, but never less than 0.5 s."""
+    """Seconds between lease renewals: a third of the TTL (at least 0.5 s)."""
     return max(0.5, ttl / 3)
 
 

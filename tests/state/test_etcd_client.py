@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -301,3 +303,34 @@ def test_a_mirror_cut_again_and_again_misses_no_change(etcd_server: EtcdServer) 
 
     with CuttingProxy("127.0.0.1", port) as proxy:
         asyncio.run(scenario(proxy))
+
+
+def test_a_lease_is_given_up_before_etcd_can_expire_it(tmp_path: Path) -> None:
+    """An agent stops its tasks when it gives its lease up; for no other node to run
+    them meanwhile, that must come before etcd can have expired the lease: counted
+    from when the last answered renewal was sent, not from when it was answered."""
+    server = EtcdServer(tmp_path / "etcd", fsync=False).start()
+    assert server.proc is not None
+    pid = server.proc.pid
+
+    async def scenario() -> None:
+        async with Etcd([server.url.split("//")[1]]) as etcd:
+            lease = await etcd.grant(3)
+            renewed: list[float] = []
+            lost = asyncio.Event()
+            keeper = asyncio.create_task(
+                etcd.keep_lease(lease, 3, lost.set, renewed.append, give_up_after=2.0))
+            await wait_until(lambda: len(renewed) >= 2, 10, "two renewals")
+            os.kill(pid, signal.SIGSTOP)  # etcd answers nothing from now on
+            try:
+                await asyncio.wait_for(lost.wait(), 10)
+                gave_up = time.monotonic()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await asyncio.wait_for(keeper, 5)
+            assert 2.0 - 0.05 <= gave_up - renewed[-1] <= 2.5  # and the TTL is 3 s
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
