@@ -71,7 +71,7 @@ from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import use_pidfd_child_watcher
 from hypermesh.agent.tasks.task_env import host_env
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
-from hypermesh.errors import EtcdUnavailable
+from hypermesh.errors import EtcdUnavailable, LeaseLost
 from hypermesh.etcd_security import PLAINTEXT
 from hypermesh.exposure import dashboard_https, warn_exposed
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, keepalive_interval
@@ -548,8 +548,8 @@ class Agent:
             try:
                 await self._register()
                 break
-            except EtcdUnavailable as exc:
-                log.warning("re-register failed: %s", exc)
+            except (EtcdUnavailable, LeaseLost) as exc:  # LeaseLost: granted by a member
+                log.warning("re-register failed: %s", exc)  # that lost it in an election
                 await asyncio.sleep(1)
         await self.etcd.revoke(self.gave_up)  # if no peer did: our old claims, at once
         self.gave_up = None

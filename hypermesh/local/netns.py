@@ -49,11 +49,13 @@ from typing import Any
 from hypermesh.local.agents import AgentProcess, hypermesh_command
 from hypermesh.local.etcd import etcd_binary, etcdctl_binary
 from hypermesh.local.processes import stop_process, wait_for
+from hypermesh.local.s3server import S3Server
 
 MARKER = "hmnet"  # every namespace a lab makes starts with "hmnet-<pid>-"
 SWITCH_IF = "br0"  # the bridge, inside the switch namespace
 HOST_IF = "eth0"  # a host's end of its veth, inside the host's namespace
 ETCD_PORT = 2379
+ETCD_PEER_PORT = 2380
 AGENT_PORT = 7070
 
 
@@ -325,63 +327,145 @@ class NetLab:
 class NetMesh:
     """etcd, agents and a CLI host on a :class:`NetLab`, plaintext gRPC (``--insecure``).
 
-    etcd runs alone in host ``etcd``, listening on its lab address; each agent runs in a
-    host of its own, named after it, listening on that host's address; the CLI runs in
-    host ``client``. ``close`` stops the agents (drain, then kill), then the lab.
+    etcd runs alone in host ``etcd``, listening on its lab address, or, with
+    ``etcd_members=3``, as a cluster of three members in hosts ``etcd-1`` .. ``etcd-3``
+    that talk to each other over the lab (peer URLs on their addresses); agents and the
+    CLI are given every member's client URL. With ``store``, SeaweedFS serves S3 from
+    host ``store`` on its address (:meth:`start_store`), and agents and the CLI get the
+    variables that point them at it. Each agent runs in a host of its own, named after
+    it, listening on that host's address; the CLI runs in host ``client``. ``close``
+    stops the agents (drain, then kill), etcd and the store, then the lab.
     """
 
     def __init__(self, lab: NetLab, root: Path, *, namespace: str = "net",
-                 preset: str = "local", agent_args: Sequence[str] = ()) -> None:
+                 preset: str = "local", agent_args: Sequence[str] = (),
+                 etcd_members: int = 1, store: bool = False) -> None:
+        if etcd_members not in (1, 3, 5):
+            raise ValueError(f"etcd_members must be 1, 3 or 5, not {etcd_members}")
         self.lab = lab
         self.root = Path(root)
         self.namespace = namespace
         self.preset = preset
         self.agent_args = list(agent_args)
         self.agents: dict[str, AgentProcess] = {}
-        self.etcd: subprocess.Popen[bytes] | None = None
-        for name in ("etcd", "client"):
+        self.etcd_hosts = (["etcd"] if etcd_members == 1
+                           else [f"etcd-{i}" for i in range(1, etcd_members + 1)])
+        self.etcds: dict[str, subprocess.Popen[bytes]] = {}  # host: its etcd member
+        self.store: S3Server | None = None
+        for name in (*self.etcd_hosts, *(["store"] if store else []), "client"):
             if name not in lab.hosts:
                 lab.add_host(name)
 
+    def etcd_member_url(self, host: str) -> str:
+        return f"http://{self.lab.address(host)}:{ETCD_PORT}"
+
     @property
     def etcd_url(self) -> str:
-        return f"http://{self.lab.address('etcd')}:{ETCD_PORT}"
+        """Every member's client URL, comma-separated (``--etcd`` takes the list)."""
+        return ",".join(self.etcd_member_url(h) for h in self.etcd_hosts)
 
     @property
     def env(self) -> dict[str, str]:
+        store = self.store.client_env() if self.store is not None else {}
         return dict(os.environ, HYPERMESH_ETCD=self.etcd_url,
-                    HYPERMESH_NAMESPACE=self.namespace)
+                    HYPERMESH_NAMESPACE=self.namespace, **store)
 
     def start_etcd(self, timeout: float = 30) -> None:
-        data = self.root / "etcd"
-        data.mkdir(parents=True, exist_ok=True)
-        peer = "http://127.0.0.1:2380"  # one member: peers only on its own loopback
-        args = [etcd_binary(), "--name", "hm", "--data-dir", str(data / "data"),
-                "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"hm={peer}", "--unsafe-no-fsync",
-                "--experimental-enable-lease-checkpoint", "--log-level", "warn"]
-        with open(data / "etcd.log", "ab") as log:
-            self.etcd = self.lab.popen("etcd", args, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+        """Start every member, each in its own host, and wait until all are healthy."""
+        cluster = ",".join(f"{h}=http://{self.lab.address(h)}:{ETCD_PEER_PORT}"
+                           for h in self.etcd_hosts)
+        for host in self.etcd_hosts:
+            data = self.root / host
+            data.mkdir(parents=True, exist_ok=True)
+            url = self.etcd_member_url(host)
+            peer = f"http://{self.lab.address(host)}:{ETCD_PEER_PORT}"
+            args = [etcd_binary(), "--name", host, "--data-dir", str(data / "data"),
+                    "--listen-client-urls", url, "--advertise-client-urls", url,
+                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                    "--initial-cluster", cluster, "--initial-cluster-token", self.lab.lab_id,
+                    "--unsafe-no-fsync", "--experimental-enable-lease-checkpoint",
+                    "--log-level", "warn"]
+            with open(data / "etcd.log", "ab") as log:
+                self.etcds[host] = self.lab.popen(host, args, stdout=log,
+                                                  stderr=subprocess.STDOUT,
+                                                  stdin=subprocess.DEVNULL)
 
         def healthy() -> bool:
-            if self.etcd is not None and self.etcd.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.etcd.returncode}")
+            for host, proc in self.etcds.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"etcd member {host} exited with {proc.returncode}")
             check = self.lab.run("client", [etcdctl_binary(), "--endpoints", self.etcd_url,
                                             "--dial-timeout", "1s", "endpoint", "health"])
             return check.returncode == 0
 
         wait_for(healthy, timeout, f"etcd at {self.etcd_url}", interval=0.2)
 
-    def add_agent(self, name: str, *, slots: int = 2, extra: Sequence[str] = ()) -> AgentProcess:
-        """An agent in a new host ``name``, listening on that host's address."""
+    def etcd_leader(self) -> str | None:
+        """The host of the etcd member that leads the cluster, as the members answer
+        ``etcdctl endpoint status`` from host ``client`` (None: no answer names one)."""
+        for host in self.etcd_hosts:  # one at a time: a cut member answers nothing
+            status = self.lab.run("client", [
+                etcdctl_binary(), "--endpoints", self.etcd_member_url(host),
+                "--dial-timeout", "1s", "--command-timeout", "2s",
+                "endpoint", "status", "-w", "json"])
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                for member in json.loads(status.stdout or "[]"):
+                    header, leader = member["Status"]["header"], member["Status"]["leader"]
+                    if header["member_id"] == leader:
+                        return host
+        return None
+
+    def start_store(self, bucket: str = "hypermesh-net", timeout: float = 60) -> str:
+        """SeaweedFS in host ``store``, on its address; creates ``bucket`` and returns
+        its ``s3://`` URL. Readiness (a bucket made, an object written and read back)
+        is checked from host ``client``, across the lab."""
+        if "store" not in self.lab.hosts:
+            raise RuntimeError("this mesh was made without store=True")
+        server = S3Server(self.root / "store", ip=self.lab.address("store"))
+        server.data_dir.mkdir(parents=True, exist_ok=True)
+        (server.data_dir / "data").mkdir(exist_ok=True)
+        with open(server.log_path, "ab") as log:
+            server.proc = self.lab.popen("store", server.command(), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=server.data_dir, start_new_session=True)
+        self.store = server
+        probe = (
+            "import os, sys, boto3\n"
+            "from botocore.config import Config\n"
+            "from botocore.exceptions import BotoCoreError, ClientError\n"
+            "c = boto3.client('s3', endpoint_url=os.environ['HYPERMESH_S3_ENDPOINT'],\n"
+            "    config=Config(connect_timeout=2, read_timeout=5, retries={'max_attempts': 1},\n"
+            "                  s3={'addressing_style': 'path'},\n"
+            "                  request_checksum_calculation='when_required',\n"
+            "                  response_checksum_validation='when_required'))\n"
+            "try:\n"
+            "    try: c.create_bucket(Bucket=sys.argv[1])\n"
+            "    except ClientError: pass\n"
+            "    c.put_object(Bucket=sys.argv[1], Key='probe', Body=b'ok')\n"
+            "    sys.exit(c.get_object(Bucket=sys.argv[1], Key='probe')['Body'].read() != b'ok')\n"
+            "except (BotoCoreError, ClientError): sys.exit(1)\n"
+        )
+
+        def ready() -> bool:
+            if server.proc is not None and server.proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited:\n{server.log_tail()}")
+            return self.lab.run("client", [sys.executable, "-c", probe, bucket],
+                                env=self.env, timeout=30).returncode == 0
+
+        wait_for(ready, timeout, f"SeaweedFS at {server.endpoint}", interval=0.5)
+        return server.url(bucket)
+
+    def add_agent(self, name: str, *, slots: int = 2, extra: Sequence[str] = (),
+                  env: dict[str, str] | None = None) -> AgentProcess:
+        """An agent in a new host ``name``, listening on that host's address; ``env``:
+        more environment variables (the store's, when there is one, are given)."""
         if name not in self.lab.hosts:
             self.lab.add_host(name)
         agent = AgentProcess(
             name, self.etcd_url, self.namespace, self.root / name, slots=slots,
             extra=["--listen", f"{self.lab.address(name)}:{AGENT_PORT}", "--insecure",
                    "--preset", self.preset, *self.agent_args, *extra],
+            env=dict(self.env, **(env or {})),
         )  # the later --listen and --preset win over AgentProcess's loopback defaults
         agent.args = self.lab.command(name, agent.args)
         self.agents[name] = agent
@@ -421,9 +505,12 @@ class NetMesh:
         deadline = time.monotonic() + 15
         for agent in self.agents.values():
             agent.terminate(timeout=max(0.1, deadline - time.monotonic()))
-        if self.etcd is not None:
-            stop_process(self.etcd, 10)
-            self.etcd = None
+        for proc in self.etcds.values():
+            stop_process(proc, 10)
+        self.etcds.clear()
+        if self.store is not None:
+            self.store.stop()
+            self.store = None
         self.lab.close()
 
     def __enter__(self) -> NetMesh:
@@ -517,7 +604,8 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
     if scenario == "whole":
         mesh.lab.cut_off(victim)
     elif scenario == "etcd":
-        mesh.lab.cut(victim, "etcd")
+        for host in mesh.etcd_hosts:
+            mesh.lab.cut(victim, host)
     else:
         for other in others:
             mesh.lab.cut(victim, other)
@@ -587,7 +675,7 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
             log.seek(offsets[name])
             for line in log:
                 if "; revoking its lease" in line or "(it cannot reach etcd); revoking" in line:
-                    when = _log_time(line) - cut_at
+                    when = log_time(line) - cut_at
                     whom, why = line.split(" gossip: ", 1)[1].split(" ", 1)
                     how = "gave up" if why.startswith("gave up") else "dead"
                     result.revokes.append(f"{name} -> {whom} ({how}) at {when:+.1f}s")
@@ -601,7 +689,7 @@ def _log_size(path: Path) -> int:
         return 0
 
 
-def _log_time(line: str) -> float:
+def log_time(line: str) -> float:
     """The epoch time of an agent log line (``2026-01-02 03:04:05,678 ...``, local time)."""
     stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
     return stamp.timestamp()

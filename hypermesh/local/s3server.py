@@ -73,8 +73,12 @@ class S3Server:
         *,
         volume_size_limit_mb: int = 64,
         volume_max: int = 100,
+        ip: str = "127.0.0.1",
     ) -> None:
+        """``ip``: the address every component binds and advertises (a lab host's, in
+        ``hypermesh/local/netns.py``, which runs :meth:`command` inside that host)."""
         self.data_dir = Path(data_dir)
+        self.ip = ip
         self.ports = {name: free_port() for name in _PORT_NAMES}
         self.volume_size_limit_mb = volume_size_limit_mb
         self.volume_max = volume_max
@@ -86,7 +90,7 @@ class S3Server:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.ip}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -149,29 +153,9 @@ class S3Server:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "data").mkdir(exist_ok=True)
-        p = self.ports
-        args = [
-            weed_binary(),
-            "-logtostderr",  # glog would otherwise also write files into /tmp
-            "server",
-            "-s3",
-            f"-dir={self.data_dir / 'data'}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            *(f"-{name}={port}" for name, port in p.items()),
-            # Side services of the S3 gateway that would take fixed ports.
-            "-s3.port.iceberg=0",
-            "-s3.port.lance=0",
-            f"-volume.max={self.volume_max}",
-            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
-            "-volume.preStopSeconds=0",
-            "-master.telemetry=false",
-            # A single master re-elects itself after a restart after this long.
-            "-master.electionTimeout=1s",
-        ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args,
+                self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -184,6 +168,29 @@ class S3Server:
             self.stop()
             raise
         return self
+
+    def command(self) -> list[str]:
+        """The ``weed server`` command line of this server."""
+        p = self.ports
+        return [
+            weed_binary(),
+            "-logtostderr",  # glog would otherwise also write files into /tmp
+            "server",
+            "-s3",
+            f"-dir={self.data_dir / 'data'}",
+            f"-ip={self.ip}",
+            f"-ip.bind={self.ip}",
+            *(f"-{name}={port}" for name, port in p.items()),
+            # Side services of the S3 gateway that would take fixed ports.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-volume.max={self.volume_max}",
+            f"-master.volumeSizeLimitMB={self.volume_size_limit_mb}",
+            "-volume.preStopSeconds=0",
+            "-master.telemetry=false",
+            # A single master re-elects itself after a restart after this long.
+            "-master.electionTimeout=1s",
+        ]
 
     def log_tail(self, n: int = 3000) -> str:
         try:

@@ -490,7 +490,6 @@ class Etcd:
         interval = keepalive_interval(ttl)
         give_up = ttl if give_up_after is None else give_up_after
         last_ok = clock()
-
         request = LeaseKeepAliveRequest(ID=lease)
         while True:
             # etcd3aio has no persistent keep-alive stream: its stub (hence the pinned
@@ -501,7 +500,8 @@ class Etcd:
             try:
                 while True:
                     sent = clock()
-                    wait = min(self.timeout, max(0.05, last_ok + give_up - sent))
+                    wait = min(self.timeout, max(0.5, interval / 3),  # tries: a new stream
+                               max(0.05, last_ok + give_up - sent))  # may reach another member
                     # asyncio.timeout, not wait_for: no task per renewal (3.11)
                     async with asyncio.timeout(wait):
                         await stream.write(request)

@@ -231,9 +231,10 @@ def test_a_peer_killed_half_way_through_a_transfer_costs_the_reader_only_time(
     once it has started to serve it, and b's read still returns the right bytes."""
     a, b, first = pair.a, pair.b, pair.chunks[0]
     a.agent.kill()
-    # 3 pieces: 2 s or more, room for the kill to land half-way on a loaded machine
-    # (0.3 s a piece was once too little: all three had arrived by the kill)
-    a.agent.env = dict(os.environ, **{SERVE_PAUSE_ENV: "1.0"})
+    # 3 pieces: 4 s or more, room for the kill to land half-way on a loaded machine
+    # (0.3 s and 1 s a piece were too little: all three had arrived by the kill, under
+    # another test run's load)
+    a.agent.env = dict(os.environ, **{SERVE_PAUSE_ENV: "2.0"})
     try:
         a.agent.start()
     finally:

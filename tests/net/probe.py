@@ -1,0 +1,112 @@
+"""Small observers the tests across hosts run inside a lab host (``python probe.py WHAT``):
+they reach what only that host reaches (etcd, agents, the store at their 10.x addresses)
+and print one JSON object a line, flushed, for the test to read.
+
+- ``leader ETCD NAMESPACE``: the leader as ``hypermesh nodes`` derives it (the live
+  candidate with the lowest create revision), read from etcd every 0.1 s; a line
+  ``{"t": EPOCH, "leader": NAME|null}`` at the start and at every change, until killed.
+- ``chunks STORE_URL NAME``: ``{"chunks": [ID, ...]}`` of the data set's newest version.
+- ``locate ADDRESS CHUNK``: ``{"holders": [NODE, ...], "counters": {...}}`` as the agent
+  at ADDRESS answers ``LocateChunks`` (its peer-sharing counters are node-wide).
+- ``first-piece ADDRESS``: ``{"ready": COUNTERS}``, then, once the agent's
+  ``peer_bytes`` grew (a peer's first piece reached it), ``{"piece": EPOCH}``; polls
+  every 10 ms for at most 30 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import grpc
+
+
+def say(obj: object) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def leader(urls: str, namespace: str) -> None:
+    from hypermesh.errors import EtcdUnavailable
+    from hypermesh.state.etcd import Etcd, parse_endpoints
+    from hypermesh.state.keyspace import Keyspace
+    from hypermesh.state.view import MeshView
+
+    ks = Keyspace(namespace)
+    last: object = ()  # never a leader's name: the first reading is always said
+    async with Etcd(parse_endpoints(urls), timeout=1.0) as etcd:
+        while True:
+            view = MeshView(ks)
+            try:
+                for prefix in (ks.nodes, ks.election):
+                    kvs, _ = await etcd.get_prefix(prefix)
+                    for kv in kvs:
+                        view.apply(kv.key.decode(), kv.value, kv.create_revision,
+                                   kv.mod_revision)
+            except EtcdUnavailable:
+                await asyncio.sleep(0.1)
+                continue
+            now = view.leader()
+            if now != last:
+                say({"t": time.time(), "leader": now})
+                last = now
+            await asyncio.sleep(0.1)
+
+
+def chunks(store_url: str, name: str) -> None:
+    from hypermesh.chunkfs.datasets import list_versions, load_root
+    from hypermesh.chunkfs.store import open_store
+
+    with open_store(store_url) as store:
+        root = load_root(store, name, list_versions(store, name)[-1])
+        say({"chunks": [c.id for c in root.chunks]})
+
+
+def _locate(address: str, chunk_ids: list[str]) -> Any:
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return agent_pb2_grpc.AgentStub(channel).LocateChunks(
+            agent_pb2.LocateChunksRequest(chunks=chunk_ids), timeout=5)
+
+
+def locate(address: str, chunk: str) -> None:
+    reply = _locate(address, [chunk])
+    say({"holders": sorted(reply.chunks[0].nodes), "counters": dict(reply.counters)})
+
+
+def first_piece(address: str) -> None:
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = agent_pb2_grpc.AgentStub(channel)
+        before = dict(stub.LocateChunks(agent_pb2.LocateChunksRequest(), timeout=5).counters)
+        say({"ready": before})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = stub.LocateChunks(agent_pb2.LocateChunksRequest(), timeout=5).counters
+            if now["peer_bytes"] > before.get("peer_bytes", 0):
+                say({"piece": time.time()})
+                return
+            time.sleep(0.01)
+    sys.exit("no peer piece arrived within 30 s")
+
+
+def main(argv: list[str]) -> None:
+    what, *args = argv
+    if what == "leader":
+        asyncio.run(leader(*args))
+    elif what == "chunks":
+        chunks(*args)
+    elif what == "locate":
+        locate(*args)
+    elif what == "first-piece":
+        first_piece(*args)
+    else:
+        sys.exit(f"unknown probe {what!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
