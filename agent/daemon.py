@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from hypermesh import addresses, keepalive
 from hypermesh._proto import agent_pb2_grpc
 from hypermesh.agent.burst import spot
 from hypermesh.agent.burst.duty import BurstDuty
@@ -192,7 +193,8 @@ class Agent:
                         else HousekeepingConfig.lan())
         self.housekeeping = Housekeeping(
             self, with_test_timings(housekeeping, os.environ.get(TEST_TIMINGS_ENV)))
-        self.address = ""
+        self.address = ""  # where peers and the CLI reach it: cfg.advertise, else bound_address
+        self.bound_address = ""  # the gRPC server's bound HOST:PORT (maybe 0.0.0.0)
         self.http_address = ""
         self.metrics_address = ""
         self._dashboard: Any = None  # the web dashboard's aiohttp runner, once serving
@@ -280,7 +282,8 @@ class Agent:
         hush_broken_stream_noise(asyncio.get_running_loop())
         tune_gc()
         await self.etcd.connect()
-        self._server = grpc.aio.server(options=SMALL_MESSAGE_GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=(*SMALL_MESSAGE_GRPC_OPTIONS,
+                                                *keepalive.AGENT_SERVER_OPTIONS))
         servicer = AgentServicer(self)
         agent_pb2_grpc.add_AgentServicer_to_server(servicer, self._server)
         self.health = Health(self._server)
@@ -292,7 +295,8 @@ class Agent:
             port = self._server.add_insecure_port(self.cfg.listen)
         if port == 0:
             raise OSError(f"cannot listen on {self.cfg.listen}")
-        self.address = f"{host}:{port}"
+        self.bound_address = f"{host}:{port}"
+        self.address = addresses.advertised(self.bound_address, self.cfg.advertise)
         await self.health.start()  # NOT_SERVING until registered
         await self._server.start()
         if self.cfg.peer_sharing:
@@ -301,13 +305,14 @@ class Agent:
             self._health_server = await self.health.serve_plaintext(self.cfg.health_listen)
         if self.cfg.metrics_listen is not None:
             self.metrics = MetricsServer(self)
-            self.metrics_address = await self.metrics.start(self.cfg.metrics_listen)
+            self.metrics_address = addresses.public(
+                await self.metrics.start(self.cfg.metrics_listen), self.cfg.advertise)
             (self.work_dir / "agent.metrics").write_text(self.metrics_address + "\n")
         dashboard_socket = None
         if self.cfg.http_listen is not None:
             dashboard_socket = bind_dashboard(self.cfg.http_listen)
             host, port = dashboard_socket.getsockname()[:2]
-            self.http_address = f"{host}:{port}"
+            self.http_address = addresses.public(f"{host}:{port}", self.cfg.advertise)
         await self._register()
         self._health_changed()
         (self.work_dir / "agent.address").write_text(self.address + "\n")
@@ -348,7 +353,9 @@ class Agent:
             t.add_done_callback(self._task_died)
         if dashboard_socket is not None:
             self._dashboard_start = asyncio.create_task(self._serve_dashboard(dashboard_socket))
-        self.decide(f"started at {self.address} with lease {self.lease:x}")
+        bound = ("" if self.bound_address == self.address
+                 else f" (listening on {self.bound_address})")
+        self.decide(f"started at {self.address}{bound} with lease {self.lease:x}")
         try:
             await self.stopping.wait()
             await self._drain()
@@ -398,15 +405,19 @@ class Agent:
             except OSError as exc:
                 await local.stop(grace=None)
                 log.warning("%s: no socket for mounts at %s (%s); they reach this agent "
-                            "at %s", self.cfg.name, path, exc, self.address)
+                            "at %s", self.cfg.name, path, exc,
+                            addresses.local(self.bound_address))
             else:
                 self._local = local
                 self.mounts.agent_address = local.address
                 return
         else:
             log.warning("%s: %s is too long for a Unix socket; mounts reach this agent "
-                        "at %s", self.cfg.name, self.work_dir / LOCAL_SOCKET, self.address)
-        self.mounts.agent_address = self.address
+                        "at %s", self.cfg.name, self.work_dir / LOCAL_SOCKET,
+                        addresses.local(self.bound_address))
+        # The mounts run here: the bound address (not an advertised one, which may be a
+        # NAT's), loopback for a wildcard.
+        self.mounts.agent_address = addresses.local(self.bound_address)
         self.mounts.tls = self.cfg.tls
 
     async def _serve_dashboard(self, sock: socket.socket) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hypermesh.addresses import check_advertise, check_listen_reachable
 from hypermesh.errors import UsageError
 from hypermesh.exposure import check_exposure, check_token
 from hypermesh.recipe.units import UnitError, parse_duration, parse_size
@@ -51,7 +52,16 @@ class AgentConfig:
 
     listen: str = "127.0.0.1:7070"
     """HOST:PORT the gRPC server binds; port 0 picks a free port. Peers and the CLI
-    reach the node at the address it registers (the bound one)."""
+    reach the node at the address it registers: ``advertise``, else the bound one.
+    A wildcard host (``0.0.0.0``, ``[::]``) needs ``advertise``."""
+
+    advertise: str | None = None
+    """HOST:PORT peers and the CLI reach this agent at, when not ``listen`` (behind NAT,
+    in a container, listening on every interface; ``--advertise``, env
+    ``HYPERMESH_ADVERTISE``). HOST is an IP address or a DNS name each peer resolves
+    when it connects; it is what the node record in etcd and gossip carry, and its
+    host is that of the dashboard and metrics addresses registered when those listen
+    on every interface (``hypermesh/addresses.py``). None: the bound ``listen``."""
 
     work_dir: Path = Path("hypermesh-work")
     """Where attempt logs and per-attempt scratch directories live."""
@@ -235,6 +245,9 @@ class AgentConfig:
             _check_range("--locality-delay", self.locality_delay, 0, 600)
         _check_range("--pool-delay", self.pool_delay, 0, 600)
         _check_address("--listen", self.listen)
+        if self.advertise is not None:
+            check_advertise("--advertise", self.advertise)
+        check_listen_reachable(self.listen, self.advertise)
         object.__setattr__(self, "task_env", tuple(self.task_env))
         for name in self.task_env:
             if not TASK_ENV_RE.fullmatch(name):

@@ -75,7 +75,8 @@ class GangHost(Protocol):
     etcd: Etcd
     ks: Keyspace
     lease: int
-    address: str
+    address: str  # advertised: where the other ranks reach this node
+    bound_address: str  # what it binds here (``address`` may be a NAT's or a name)
     work_dir: Path
     base_env: dict[str, str]
     machine: Machine
@@ -262,7 +263,9 @@ class GangDuty:
     async def _start(self, plan: ClaimPlan, seats: dict[int, tuple[str, int]]) -> None:
         agent = self.agent
         host = agent.address.rpartition(":")[0]
-        rdv = Rendezvous(plan.attempt, host, free_port(host), seats, 0)
+        # Peers dial the advertised host; the port is probed where this node binds.
+        rdv = Rendezvous(plan.attempt, host, free_port(agent.bound_address.rpartition(":")[0]),
+                         seats, 0)
         revision = await gang_txns.start(
             agent.etcd, agent.ks, plan, rdv, agent.cfg.name, agent.lease, time.time()
         )

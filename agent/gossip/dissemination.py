@@ -187,11 +187,18 @@ def _apply_alive(s: SwimState, u: Update, cur: _Member, now: float) -> bool:
 
 def _about_me(s: SwimState, u: Update, now: float) -> None:
     """News about this member: refute suspicion and death, catch up with stale
-    incarnations from an earlier life under the same name."""
+    incarnations from an earlier life under the same name, and outbid a row of this
+    incarnation at another address (an earlier life's, before a restart at a new
+    address), which peers would otherwise keep: a row of the same incarnation does not
+    replace theirs."""
     if s._left:
         return
     if u.state == ALIVE:
-        if u.incarnation > s._incarnation or u.meta_version > s._meta_version:
+        if (
+            u.incarnation > s._incarnation
+            or u.meta_version > s._meta_version
+            or (u.incarnation == s._incarnation and u.address != s.address)
+        ):
             _refute(s, u, now)
     elif u.incarnation >= s._incarnation:
         s._bump_awareness(1)

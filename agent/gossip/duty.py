@@ -35,6 +35,7 @@ from hypermesh.agent.gossip.trust import MALFORMED
 from hypermesh.channels import agent_channel
 from hypermesh.chunkfs.holdings import SOURCES, merge
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS
+from hypermesh.keepalive import AGENT_CLIENT_OPTIONS
 
 if TYPE_CHECKING:
     from hypermesh.agent.ops.telemetry import Machine
@@ -49,10 +50,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Reconnect quickly to a peer that comes back; grpc's default backoff grows to 2 min.
+# Keep-alive pings keep a NAT's mapping of an idle connection and notice a dead one
+# (hypermesh/keepalive.py).
 DATA_CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    *AGENT_CLIENT_OPTIONS,
 ]
 CHANNEL_OPTIONS = [*DATA_CHANNEL_OPTIONS, *SMALL_MESSAGE_GRPC_OPTIONS]
 META_MIN_INTERVAL_S = 0.5  # meta changes are gossiped at most this often
@@ -388,6 +392,14 @@ class Gossip:
                 delay = BACKUP_REVOKE_PERIODS * self.cfg.protocol_period
             node = a.view.nodes.get(member)
             if node is None or (member, node.lease) in self.revoked:
+                continue
+            died = self.swim.member(member)
+            if died is not None and died.address != node.address:
+                # etcd lists a new life, registered at another address (a restart
+                # elsewhere) that gossip has not judged: the verdict is on the old one,
+                # whose lease, no longer in the record, ends with its TTL.
+                a.decide(f"gossip: {member} died at {died.address} but is registered at "
+                         f"{node.address}: a new life; not revoking its lease")
                 continue
             self.revoked.add((member, node.lease))
             task = asyncio.create_task(self._revoke(member, node.lease, delay))

@@ -41,6 +41,14 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
 @click.option("--name", default=None, help="Node name, unique in the mesh [default: host name].")
 @click.option("--listen", default="127.0.0.1:7070", show_default=True, help="gRPC HOST:PORT.")
 @click.option(
+    "--advertise",
+    default=None,
+    metavar="HOST:PORT",
+    help="Where peers and the CLI reach this agent, an IP address or a DNS name: behind "
+    "NAT, in a container, or required with --listen 0.0.0.0:PORT "
+    "[default: the --listen address; env HYPERMESH_ADVERTISE].",
+)
+@click.option(
     "--work-dir",
     type=click.Path(path_type=Path),
     default=Path("hypermesh-work"),
@@ -183,6 +191,7 @@ def agent_start(
     mesh: Mesh,
     name: str | None,
     listen: str,
+    advertise: str | None,
     work_dir: Path,
     slots: int,
     pool: str,
@@ -219,6 +228,7 @@ def agent_start(
 
     overrides: dict[str, Any] = {
         "listen": listen,
+        "advertise": advertise or os.environ.get("HYPERMESH_ADVERTISE") or None,
         "work_dir": work_dir,
         "slots": slots,
         "pool": pool,

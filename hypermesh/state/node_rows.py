@@ -9,7 +9,8 @@ from typing import Any
 
 from hypermesh.state.view import MeshView
 
-Gossip = dict[str, dict[str, Any]]  # name -> {"state", "incarnation", "meta", "since"}
+# name -> {"state", "incarnation", "meta", "since", "address"}
+Gossip = dict[str, dict[str, Any]]
 
 
 def gossip_table(members: Any) -> Gossip:
@@ -20,6 +21,7 @@ def gossip_table(members: Any) -> Gossip:
             "incarnation": m.incarnation,
             "meta": json.loads(m.meta_json or "{}"),
             "since": m.state_since,
+            "address": m.address,
         }
         for m in members.members
     }
@@ -69,6 +71,10 @@ def node_rows(
                 "cached_bytes": (g.get("meta") or {}).get("cached_bytes"),
                 "hit_rates": hit_rates((g.get("meta") or {}).get("reads")),
                 "seen_by": seen_by if gossip else None,
+                # Where gossip (as ``seen_by`` sees it) reaches the node; after a restart
+                # at a new address it follows ``address`` once the node has refuted
+                # its old life's record.
+                "gossip_address": g.get("address"),
                 "metrics": n.metrics or None,
             }
         )
@@ -84,6 +90,7 @@ def node_rows(
                         "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
                         "hit_rates": hit_rates((g["meta"] or {}).get("reads")),
                         "seen_by": seen_by, "metrics": None,
+                        "gossip_address": g.get("address"),
                     }
                 )
     return rows

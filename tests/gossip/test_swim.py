@@ -423,6 +423,37 @@ def test_a_restarted_member_s_new_meta_replaces_its_old_life_s_once_it_refutes()
     assert b.member("a").meta == {"chunks": "newer"}  # type: ignore[union-attr]
 
 
+def test_a_member_restarted_at_a_new_address_outbids_its_old_life_s_row() -> None:
+    """A member back under its name at a new address joins; its peer answers with the
+    old life's alive row, of the same incarnation (and meta version) as the new life's
+    first row, which the peer therefore did not take. The new life refutes it: its
+    address comes with a higher incarnation, which the peer takes."""
+    wire = Wire(["a", "b"])
+    b = wire.nodes["b"]
+    wire.run_until(1.0)
+    old = b.member("a")
+    assert old is not None and old.incarnation == 0 and old.address == "addr-a"
+    reborn = Swim("a", "addr-a2", CFG, random.Random(7), 1.0)
+    replies = []
+    for out in reborn.join([("b", "addr-b")], 1.0):
+        assert out.to == "b"
+        replies += b.receive(out.message, 1.0)
+    assert b.member("a").address == "addr-a"  # type: ignore[union-attr]
+    for out in replies:
+        assert out.to == "a" and out.address == "addr-a2"
+        reborn.receive(out.message, 1.0)
+    assert reborn.incarnation == 1
+    now = 1.0
+    while now < 3.0 and b.member("a").address != "addr-a2":  # type: ignore[union-attr]
+        now += 0.05
+        for out in reborn.tick(now):
+            if out.to == "b":
+                b.receive(out.message, now)
+    view = b.member("a")
+    assert view is not None and view.address == "addr-a2" and view.incarnation == 1
+    assert view.state == ALIVE
+
+
 def test_an_update_is_sent_retransmit_limit_times_then_dropped() -> None:
     names = [f"n{i}" for i in range(9)]  # N = 9: limit = 4 * ceil(log10(10)) = 4
     wire = Wire(names)
