@@ -247,7 +247,6 @@ class AgentConfig:
         _check_address("--listen", self.listen)
         if self.advertise is not None:
             check_advertise("--advertise", self.advertise)
-        check_listen_reachable(self.listen, self.advertise)
         object.__setattr__(self, "task_env", tuple(self.task_env))
         for name in self.task_env:
             if not TASK_ENV_RE.fullmatch(name):
@@ -268,6 +267,7 @@ class AgentConfig:
                                  "optionally with :PORT")
         check_exposure(self.listen, self.tls is not None, self.insecure,
                        self.metrics_listen, self.http_listen, self.dashboard_token is not None)
+        check_listen_reachable(self.listen, self.advertise)  # after: safety speaks first
 
     @classmethod
     def lan(cls, **overrides: object) -> AgentConfig:

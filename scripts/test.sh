@@ -17,4 +17,21 @@ if ! NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$site" >"
 fi
 rm -rf "$site" "$site.log"
 echo "test: docs built (mkdocs build --strict)" >&2
-exec .venv/bin/python -m pytest -q --durations=25 "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q --durations=25 "$@"
+fi
+# tests/net (hosts in network namespaces of their own; mostly waiting on leases and
+# timers) runs beside the rest, at a lower CPU priority, in a temporary folder of its own:
+# about 4 minutes less in all on 2 cores.
+net_tmp=$(mktemp -d)
+nice -n 10 .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$net_tmp/t" \
+  tests/net >"$net_tmp/log" 2>&1 &
+net_pid=$!
+status=0
+.venv/bin/python -m pytest -q --durations=25 --ignore=tests/net || status=$?
+net_status=0
+wait "$net_pid" || net_status=$?
+echo "--- tests/net (run beside the rest) ---"
+cat "$net_tmp/log"
+rm -rf "$net_tmp"
+if [ "$status" -ne 0 ] || [ "$net_status" -ne 0 ]; then exit 1; fi

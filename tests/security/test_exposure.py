@@ -45,7 +45,7 @@ def test_what_counts_as_exposed() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"listen": "0.0.0.0:0"},
+        {"listen": "0.0.0.0:7070", "advertise": "10.0.0.7:7070"},
         {"listen": "10.0.0.7:7070", "metrics_listen": None, "http_listen": None},
         {"tls": TLS, "listen": "10.0.0.7:7070", "metrics_listen": "10.0.0.7:9464"},
         {"http_listen": "0.0.0.0:7071"},

@@ -28,7 +28,7 @@ from hypermesh.chunkfs.mount import MountProcess
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess
-from hypermesh.local.processes import wait_for
+from hypermesh.local.processes import free_port, wait_for
 from hypermesh.local.s3server import S3Server
 from hypermesh.tls import AGENT_NAME, TlsFiles, channel_options
 from tests.conftest import Mesh
@@ -213,11 +213,13 @@ def test_plaintext_beyond_loopback_needs_insecure(mesh: Mesh, tmp_path: Path) ->
     assert "--tls-ca" in refused.stderr and "--insecure" in refused.stderr
     dashboard = hm(*base, "--http-listen", "0.0.0.0:0", env=env)
     assert dashboard.returncode == 2 and "--http-listen" in dashboard.stderr
+    port = free_port()
     agent = AgentProcess("exposed", mesh.etcd.url, mesh.namespace, tmp_path / "a",
-                         extra=["--listen", "0.0.0.0:0", "--insecure"], env=env)
+                         extra=["--listen", f"0.0.0.0:{port}", "--insecure",
+                                "--advertise", f"127.0.0.1:{port}"], env=env)
     mesh.agents["exposed"] = agent
     agent.start()
-    wait_for(lambda: "--insecure: --listen 0.0.0.0:0" in agent.log_tail(), 10,
+    wait_for(lambda: f"--insecure: --listen 0.0.0.0:{port}" in agent.log_tail(), 10,
              "the --insecure warning")
 
 
