@@ -7,7 +7,9 @@ the node's load as metadata, and turns its verdicts into action: when a member
 is declared dead, the leader (or every agent, when the leader is the one that
 died or none is known) revokes that node's etcd lease, so its tasks are claimed
 again at once, but only on a death its own probes witnessed (a death it only
-heard of is probed first: no forged message can get a lease revoked). A node
+heard of is probed first: no forged message can get a lease revoked), and only
+the lease of the life that died (each agent gossips its lease in its meta: a
+verdict on an earlier life must not cost a restarted one its lease). A node
 wrongly declared dead loses its lease, kills its tasks, rejoins, and its late
 results are fenced off, so a wrong verdict costs work, never correctness.
 """
@@ -30,7 +32,7 @@ from hypermesh._proto import agent_pb2
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.link import PeerLink
 from hypermesh.agent.gossip.suspicion import health_scaled, probe_deadline
-from hypermesh.agent.gossip.swim import Message, Outgoing, Swim
+from hypermesh.agent.gossip.swim import MemberView, Message, Outgoing, Swim
 from hypermesh.agent.gossip.trust import MALFORMED
 from hypermesh.channels import agent_channel
 from hypermesh.chunkfs.holdings import SOURCES, merge
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from hypermesh.config import AgentConfig
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import TaskRef
+    from hypermesh.state.records import NodeRecord
     from hypermesh.state.view import MeshView
 
 log = logging.getLogger(__name__)
@@ -67,16 +70,50 @@ LOAD_MIN_INTERVAL_S = 2.0
 LOAD_FIELDS = frozenset({"running", "free_slots", "free_gpus"})
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
+LEASE_KEY = "lease"  # the meta entry naming the lease a member holds (hex)
 
 
 def _encode(out: Outgoing) -> bytes:
     return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
 
 
+def parse_lease(value: object) -> int | None:
+    """The lease a meta entry names (hex, as :meth:`Gossip.meta` writes it), or None:
+    absent or malformed (meta is what a member says of itself, unchecked)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return int(value, 16)
+    except ValueError:
+        return None
+
+
+def new_life(died: MemberView | None, node: NodeRecord) -> str | None:
+    """Why ``node``, etcd's record of a member gossip declared dead, is a later life's
+    than the one that died, or None when it may be that life's own.
+
+    ``died`` is the member's row as gossip holds it, with the address and meta that
+    life last announced. A later life registered at another address (a restart
+    elsewhere), or at the same address with another lease (a restart in place within
+    the lease TTL, or a rejoin after losing the lease), has not been judged: the
+    verdict is on the old life, whose lease, no longer in the record, ends with its
+    TTL if it has not ended already. A row whose meta names no lease (an agent from
+    before leases were gossiped, or a member whose meta never reached us) is taken
+    for the record's life."""
+    if died is None:
+        return None
+    if died.address != node.address:
+        return f"died at {died.address} but is registered at {node.address}"
+    held = parse_lease(died.meta.get(LEASE_KEY))
+    if held is not None and held != node.lease:
+        return f"died holding lease {held:x} but is registered with lease {node.lease:x}"
+    return None
+
+
 class GossipHost(Protocol):
-    """What :class:`Gossip` uses of its agent: its identity and load for the meta, its
-    lease's health before acting on a verdict, the chunk share it feeds, and etcd to
-    revoke a dead node's lease. It changes none of the agent's state."""
+    """What :class:`Gossip` uses of its agent: its identity, lease and load for the
+    meta, its lease's health before acting on a verdict, the chunk share it feeds, and
+    etcd to revoke a dead node's lease. It changes none of the agent's state."""
 
     cfg: AgentConfig
     address: str
@@ -88,6 +125,7 @@ class GossipHost(Protocol):
     share: ChunkShare
     mounts: Mounts
 
+    lease: int
     gave_up: int | None
 
     @property
@@ -265,10 +303,15 @@ class Gossip:
         self._wake_if_due()
 
     def _reset_link(self, member: str) -> None:
-        """A probe of ``member`` failed: our next message to it goes over a new
-        connection. The old one may be dead without our knowing (a cut link, a NAT
-        that dropped it): TCP retransmits into it for seconds after the link heals, and
-        a member that is back would be suspected again, and declared dead, meanwhile."""
+        """Our next message to ``member`` goes over a new connection: a probe of it
+        failed, or it is back from the dead. After a failed probe the old connection may
+        be dead without our knowing (a cut link, a NAT that dropped it): TCP retransmits
+        into it for seconds after the link heals, and a member that is back would be
+        suspected again, and declared dead, meanwhile. After a death the old channel
+        holds the refusals of the process that died: gRPC fails new calls with them,
+        as refused, until its reconnect backoff ends (up to a second), and a member
+        back at the same address (a restarted agent) would be declared dead again at
+        once, its new lease revoked."""
         view = self.swim.member(member) if self.swim is not None else None
         if view is None:
             return
@@ -301,7 +344,8 @@ class Gossip:
 
     # ------------------------------------------------------------------ metadata
     def meta(self) -> dict[str, Any]:
-        """What this node gossips about itself: load and free capacity."""
+        """What this node gossips about itself: load and free capacity, and the lease
+        it holds (which life of the node this is, see :func:`new_life`)."""
         a = self.agent
         running = len(a.running)
         gpus_used = sum(r.gpus for r in a.running.values())
@@ -318,6 +362,8 @@ class Gossip:
             # Lifeguard local health: peers skip waiting for a sick leader to act
             "health": self.swim.local_health if self.swim is not None else 0,
         }
+        if a.lease:  # granted before gossip starts; new only when the node rejoins
+            meta[LEASE_KEY] = f"{a.lease:x}"
         if a.gave_up is not None:  # cut off from etcd: peers that reach it revoke this
             meta["gave_up"] = f"{a.gave_up:x}"
         return meta
@@ -370,7 +416,8 @@ class Gossip:
         a = self.agent
         for member, old, new in self.swim.drain_events():
             a.share.member_state(member, new)
-            if new == "suspect" and member != a.cfg.name:
+            back = new == "alive" and old in ("dead", "left")
+            if (new == "suspect" or back) and member != a.cfg.name:
                 self._reset_link(member)
             if old:  # a first sighting ("" -> alive) is not a decision
                 health = self.swim.local_health
@@ -393,13 +440,9 @@ class Gossip:
             node = a.view.nodes.get(member)
             if node is None or (member, node.lease) in self.revoked:
                 continue
-            died = self.swim.member(member)
-            if died is not None and died.address != node.address:
-                # etcd lists a new life, registered at another address (a restart
-                # elsewhere) that gossip has not judged: the verdict is on the old one,
-                # whose lease, no longer in the record, ends with its TTL.
-                a.decide(f"gossip: {member} died at {died.address} but is registered at "
-                         f"{node.address}: a new life; not revoking its lease")
+            why = new_life(self.swim.member(member), node)
+            if why is not None:
+                a.decide(f"gossip: {member} {why}: a new life; not revoking its lease")
                 continue
             self.revoked.add((member, node.lease))
             task = asyncio.create_task(self._revoke(member, node.lease, delay))
@@ -424,10 +467,7 @@ class Gossip:
         rather than when the lease expires. Only the lease its node record holds, as
         for a death: the leader at once, the others if it has not after a while."""
         a = self.agent
-        try:
-            lease = int(flagged, 16) if isinstance(flagged, str) else None
-        except ValueError:
-            return
+        lease = parse_lease(flagged)
         node = a.view.nodes.get(member)
         if lease is None or node is None or node.lease != lease or a.lease_is_lost:
             return

@@ -1,0 +1,237 @@
+"""A death verdict on one life of a node must not revoke the lease of the next (issue 24).
+
+Each agent gossips the lease it holds; a verdict revokes the lease in the node's etcd
+record only when that is the lease the dead life announced (and the address it died at).
+Driven directly: the decision as a pure function, then the agent's gossip duty with a
+real SWIM table and its agent faked (and a member back from the dead given a new
+connection), then the table itself taking back a member restarted at the same address
+after its peers declared it dead."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from hypermesh.agent.gossip.broadcast import Update
+from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.duty import LEASE_KEY, Gossip, new_life, parse_lease
+from hypermesh.agent.gossip.swim import ALIVE, DEAD, MemberView, Message, Swim
+from hypermesh.state.records import NodeRecord
+
+CFG = GossipConfig.local(push_pull_interval=0.0, reconnect_interval=0.0)
+ADDR = "127.0.0.1:7002"
+
+
+def row(address: str = ADDR, meta: dict[str, Any] | None = None) -> MemberView:
+    return MemberView("node2", address, DEAD, 0, meta or {}, 2, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("died", "record", "why"),
+    [
+        (None, NodeRecord("node2", ADDR, lease=0xB2), None),  # gossip never knew it
+        (row(meta={"lease": "a1"}), NodeRecord("node2", ADDR, lease=0xA1), None),  # that life
+        (
+            row(meta={"lease": "a1"}),
+            NodeRecord("node2", ADDR, lease=0xB2),
+            "died holding lease a1 but is registered with lease b2",
+        ),
+        (
+            row("127.0.0.1:7009", {"lease": "a1"}),
+            NodeRecord("node2", ADDR, lease=0xA1),
+            f"died at 127.0.0.1:7009 but is registered at {ADDR}",
+        ),
+        # No lease announced (an older agent, or its meta never came): as before.
+        (row(), NodeRecord("node2", ADDR, lease=0xB2), None),
+        (row(meta={"lease": "not-hex"}), NodeRecord("node2", ADDR, lease=0xB2), None),
+        (row(meta={"lease": 0xA1}), NodeRecord("node2", ADDR, lease=0xB2), None),
+    ],
+)
+def test_a_verdict_is_on_the_record_s_life_only_if_address_and_lease_match(
+    died: MemberView | None, record: NodeRecord, why: str | None
+) -> None:
+    assert new_life(died, record) == why
+
+
+def test_parse_lease_reads_hex_and_nothing_else() -> None:
+    assert parse_lease("694d8a1b2c3d4e5f") == 0x694D8A1B2C3D4E5F
+    assert parse_lease(None) is None and parse_lease(17) is None and parse_lease("xyz") is None
+
+
+# ---------------------------------------------------------------- the duty
+
+
+class _View:
+    def __init__(self, nodes: dict[str, NodeRecord]) -> None:
+        self.nodes = nodes
+
+    def leader(self) -> str:
+        return "node1"  # this agent: it acts at once, no backup delay
+
+
+class _Etcd:
+    def __init__(self) -> None:
+        self.revoked: list[int] = []
+
+    async def revoke(self, lease: int) -> None:
+        self.revoked.append(lease)
+
+
+class _Share:
+    def member_state(self, member: str, state: str) -> None:
+        pass
+
+
+class _Agent:
+    """The part of an agent the duty's verdicts use: node1, healthy, the leader."""
+
+    def __init__(self, record: NodeRecord) -> None:
+        self.cfg = type("Cfg", (), {"name": "node1"})()
+        self.view = _View({"node2": record})
+        self.etcd = _Etcd()
+        self.share = _Share()
+        self.lease_is_lost = False
+        self.decisions: list[str] = []
+
+    def lease_fresh(self) -> bool:
+        return True
+
+    def decide(self, message: str) -> None:
+        self.decisions.append(message)
+
+
+def dead_in_gossip(meta: dict[str, Any]) -> Swim:
+    """node1's table: node2 alive at ADDR with ``meta``, then reported dead by node3."""
+    swim = Swim("node1", "127.0.0.1:7001", CFG, random.Random(1), 0.0)
+    alive = Update.alive("node2", ADDR, 0, 2, meta)
+    swim.receive(Message("gossip", "node2", ADDR, updates=(alive,)), 0.1)
+    dead = Update("node2", ADDR, DEAD, 0, source="node3")
+    swim.receive(Message("gossip", "node3", "127.0.0.1:7003", updates=(dead,)), 0.2)
+    assert swim.member("node2").state == DEAD  # type: ignore[union-attr]
+    return swim
+
+
+def act(record: NodeRecord, meta: dict[str, Any]) -> _Agent:
+    """node1's duty acting on node2's death, the death taken as witnessed (its probe
+    would have failed); returns the agent, with what it decided and revoked."""
+    agent = _Agent(record)
+
+    async def run() -> None:
+        gossip = Gossip(agent, CFG)  # type: ignore[arg-type]
+        gossip.swim = dead_in_gossip(meta)
+
+        async def witnessed(member: str) -> bool:
+            return True
+
+        gossip._witness = witnessed  # type: ignore[method-assign]
+        await gossip._act_on_events()
+        if gossip._sends:
+            await asyncio.wait(list(gossip._sends), timeout=5)
+
+    asyncio.run(run())
+    return agent
+
+
+def test_a_late_verdict_on_the_old_life_spares_a_restart_at_the_same_address() -> None:
+    """node2 restarted in place within its lease TTL: etcd lists it at the same address
+    with a new lease, and the verdict on its old life comes only now."""
+    agent = act(NodeRecord("node2", ADDR, lease=0xB2), {LEASE_KEY: "a1", "running": 0})
+    assert agent.etcd.revoked == []
+    assert (
+        "gossip: node2 died holding lease a1 but is registered with lease b2: "
+        "a new life; not revoking its lease"
+    ) in agent.decisions
+
+
+def test_the_verdict_revokes_the_lease_of_the_life_that_died() -> None:
+    agent = act(NodeRecord("node2", ADDR, lease=0xA1), {LEASE_KEY: "a1", "running": 0})
+    assert agent.etcd.revoked == [0xA1]
+    assert "gossip: node2 is dead; revoking its lease a1" in agent.decisions
+
+
+def test_a_member_that_announced_no_lease_has_the_record_s_lease_revoked() -> None:
+    agent = act(NodeRecord("node2", ADDR, lease=0xB2), {"running": 0})
+    assert agent.etcd.revoked == [0xB2]
+
+
+class _Closable:
+    closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_a_member_back_from_the_dead_gets_a_new_connection() -> None:
+    """The channel to a member that died holds its process's refusals, which gRPC
+    answers new calls with until its reconnect backoff ends: a member back at the same
+    address would be declared dead again at once, on a refusal from its old life."""
+    agent = _Agent(NodeRecord("node2", ADDR, lease=0xB2))
+    link, channel = _Closable(), _Closable()
+
+    async def run() -> Gossip:
+        gossip = Gossip(agent, CFG)  # type: ignore[arg-type]
+        gossip.swim = dead_in_gossip({LEASE_KEY: "a1"})
+        gossip.swim.drain_events()
+        gossip.links[ADDR], gossip.channels[ADDR] = link, channel  # type: ignore[assignment]
+        back = Update.alive("node2", ADDR, 1, 3, {LEASE_KEY: "b2"})
+        gossip.swim.receive(Message("gossip", "node2", ADDR, updates=(back,)), 0.3)
+        await gossip._act_on_events()
+        await asyncio.wait(list(gossip._sends), timeout=5)
+        return gossip
+
+    gossip = asyncio.run(run())
+    assert "gossip: node2 dead -> alive" in agent.decisions
+    assert ADDR not in gossip.links and ADDR not in gossip.channels
+    assert link.closed and channel.closed
+
+
+def test_the_meta_names_the_lease_held() -> None:
+    class Machine:
+        gpus = 0
+
+    class Peers:
+        def meta(self) -> dict[str, Any]:
+            return {}
+
+    agent = _Agent(NodeRecord("node2", ADDR))
+    host: Any = agent
+    host.cfg.slots, host.machine, host.running, host.state = 2, Machine(), {}, "alive"
+    host.share.peers, host.gave_up = Peers(), None
+    host.lease = 0x694D8A1B2C3D4E5F
+    meta = Gossip(host, CFG).meta()
+    assert meta[LEASE_KEY] == "694d8a1b2c3d4e5f" and "gave_up" not in meta
+    host.lease = 0  # not registered yet: no lease to name
+    assert LEASE_KEY not in Gossip(host, CFG).meta()
+
+
+# ---------------------------------------------------------------- the table
+
+
+def test_a_member_restarted_at_the_same_address_after_its_death_is_alive_again() -> None:
+    """node1 holds node2's old life dead; the new life joins through node1 from the same
+    address with incarnation 0, hears its old life's death in node1's answer, refutes
+    it, and node1 takes it back alive, with the new life's meta (its new lease)."""
+    node1 = dead_in_gossip({LEASE_KEY: "a1", "running": 0})
+    node1.drain_events()
+    reborn = Swim("node2", ADDR, CFG, random.Random(7), 1.0, meta={LEASE_KEY: "b2", "running": 0})
+    replies = []
+    for out in reborn.join([("node1", "127.0.0.1:7001")], 1.0):
+        replies += node1.receive(out.message, 1.0)
+    assert node1.member("node2").state == DEAD  # type: ignore[union-attr]  # incarnation 0
+    for out in replies:
+        assert out.to == "node2" and out.address == ADDR
+        reborn.receive(out.message, 1.0)
+    assert reborn.incarnation == 1
+    now = 1.0
+    while now < 3.0 and node1.member("node2").state != ALIVE:  # type: ignore[union-attr]
+        now += 0.05
+        for out in reborn.tick(now):
+            if out.to == "node1":
+                node1.receive(out.message, now)
+    view = node1.member("node2")
+    assert view is not None and view.state == ALIVE and view.incarnation == 1
+    assert view.meta[LEASE_KEY] == "b2"
+    assert ("node2", DEAD, ALIVE) in node1.drain_events()
