@@ -14,7 +14,7 @@ It prints the longest stall, the 99th percentile of the lateness, the stalls ove
 end. Every process it starts is stopped before it returns.
 
     .venv/bin/python scripts/bench_loop_stall.py [--tasks 200000] [--seconds 20]
-        [--slots 4] [--tick 0.001] [--idle] [--blame] [--json]
+        [--slots 4] [--tick 0.001] [--idle] [--blame [--blame-ms 20]] [--json]
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ async def heartbeat(tick: float, late: list[float], stop: asyncio.Event) -> None
 class SlowCallbacks(logging.Handler):
     """Collects asyncio's debug-mode reports of callbacks that held the loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, threshold: float = 0.02) -> None:
         super().__init__(logging.WARNING)
+        self.threshold = threshold  # seconds a callback holds the loop to be named
         self.slow: list[tuple[float, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -84,7 +85,7 @@ async def measure(etcd_url: str, work: Path, tasks: int, seconds: float, slots: 
     if blame is not None:
         loop = asyncio.get_running_loop()
         loop.set_debug(True)
-        loop.slow_callback_duration = 0.02
+        loop.slow_callback_duration = blame.threshold
         logging.getLogger("asyncio").addHandler(blame)
         logging.getLogger("asyncio").setLevel(logging.WARNING)
     cfg = AgentConfig.local(name="stall1", listen="127.0.0.1:0", slots=slots, work_dir=work,
@@ -134,6 +135,7 @@ async def measure(etcd_url: str, work: Path, tasks: int, seconds: float, slots: 
         "written": written,
         "finished": finished,
     } | ({} if blame is None else {
+        "callbacks_over_threshold": len(blame.slow),
         "slowest_callbacks": [f"{t * 1000:.0f} ms {what}" for t, what in sorted(blame.slow)[-8:]]
     })
 
@@ -149,11 +151,13 @@ def main() -> None:
                              "runs, the loop does the expansion alone")
     parser.add_argument("--blame", action="store_true",
                         help="asyncio debug mode: name the callbacks that held the loop "
-                             "over 20 ms (slows everything down)")
+                             "over --blame-ms (slows everything down)")
+    parser.add_argument("--blame-ms", type=float, default=20.0,
+                        help="with --blame: the hold that names a callback (default 20)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    blame = SlowCallbacks() if args.blame else None
+    blame = SlowCallbacks(args.blame_ms / 1000) if args.blame else None
     with tempfile.TemporaryDirectory(prefix="hm-bench-stall-") as tmp:
         root = Path(tmp)
         with EtcdServer(root / "etcd", fsync=False) as server:

@@ -2,9 +2,6 @@
 they reach what only that host reaches (etcd, agents, the store at their 10.x addresses)
 and print one JSON object a line, flushed, for the test to read.
 
-- ``leader ETCD NAMESPACE``: the leader as ``hypermesh nodes`` derives it (the live
-  candidate with the lowest create revision), read from etcd every 0.1 s; a line
-  ``{"t": EPOCH, "leader": NAME|null}`` at the start and at every change, until killed.
 - ``chunks STORE_URL NAME``: ``{"chunks": [ID, ...]}`` of the data set's newest version.
 - ``locate ADDRESS CHUNK``: ``{"holders": [NODE, ...], "counters": {...}}`` as the agent
   at ADDRESS answers ``LocateChunks`` (its peer-sharing counters are node-wide).
@@ -15,7 +12,6 @@ and print one JSON object a line, flushed, for the test to read.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -26,33 +22,6 @@ import grpc
 
 def say(obj: object) -> None:
     print(json.dumps(obj), flush=True)
-
-
-async def leader(urls: str, namespace: str) -> None:
-    from hypermesh.errors import EtcdUnavailable
-    from hypermesh.state.etcd import Etcd, parse_endpoints
-    from hypermesh.state.keyspace import Keyspace
-    from hypermesh.state.view import MeshView
-
-    ks = Keyspace(namespace)
-    last: object = ()  # never a leader's name: the first reading is always said
-    async with Etcd(parse_endpoints(urls), timeout=1.0) as etcd:
-        while True:
-            view = MeshView(ks)
-            try:
-                for prefix in (ks.nodes, ks.election):
-                    kvs, _ = await etcd.get_prefix(prefix)
-                    for kv in kvs:
-                        view.apply(kv.key.decode(), kv.value, kv.create_revision,
-                                   kv.mod_revision)
-            except EtcdUnavailable:
-                await asyncio.sleep(0.1)
-                continue
-            now = view.leader()
-            if now != last:
-                say({"t": time.time(), "leader": now})
-                last = now
-            await asyncio.sleep(0.1)
 
 
 def chunks(store_url: str, name: str) -> None:
@@ -96,9 +65,7 @@ def first_piece(address: str) -> None:
 
 def main(argv: list[str]) -> None:
     what, *args = argv
-    if what == "leader":
-        asyncio.run(leader(*args))
-    elif what == "chunks":
+    if what == "chunks":
         chunks(*args)
     elif what == "locate":
         locate(*args)
