@@ -161,6 +161,7 @@ class Agent:
         # The lease this agent gave up while it could not reach etcd: its tasks are
         # stopped, and gossip asks the peers that reach etcd to revoke it (its claims).
         self.gave_up: int | None = None
+        self.rejoined_at: float | None = None  # monotonic; see rejoined_recently
         self.drain_grace: float | None = None
         self.written_revision = 0
         # A task gets the allow-listed part of the agent's environment, and what its
@@ -515,6 +516,14 @@ class Agent:
     def lease_is_lost(self) -> bool:
         return self.lease_lost.is_set()
 
+    def rejoined_recently(self) -> bool:
+        """Whether the node rejoined with a new lease (after losing one) within the last
+        lease TTL. Its gossip still holds what it concluded while cut off: suspicions of
+        the peers it could not reach, which the heal can turn into deaths (a last probe
+        through a connection the cut left dead) that are about its own isolation."""
+        return (self.rejoined_at is not None
+                and time.monotonic() - self.rejoined_at < self.cfg.lease_ttl)
+
     def lease_fresh(self) -> bool:
         """Whether the node lease was renewed within the last TTL. After a pause
         (SIGSTOP, a frozen VM) it is not, and etcd has likely dropped our claims."""
@@ -562,6 +571,7 @@ class Agent:
             except (EtcdUnavailable, LeaseLost) as exc:  # LeaseLost: granted by a member
                 log.warning("re-register failed: %s", exc)  # that lost it in an election
                 await asyncio.sleep(1)
+        self.rejoined_at = time.monotonic()
         await self.etcd.revoke(self.gave_up)  # if no peer did: our old claims, at once
         self.gave_up = None
         self.lease_lost.clear()

@@ -133,6 +133,8 @@ class GossipHost(Protocol):
 
     def lease_fresh(self) -> bool: ...
 
+    def rejoined_recently(self) -> bool: ...
+
     def decide(self, message: str) -> None: ...
 
 
@@ -430,6 +432,13 @@ class Gossip:
                 # We may be the one that stalled (paused, overloaded): our verdicts
                 # about others are not to be trusted until we are healthy again.
                 a.decide(f"gossip: not acting on {member}'s death while unhealthy")
+                continue
+            if a.rejoined_recently():
+                # What our gossip concluded while we were cut off (every peer we could
+                # not reach suspected, probes through connections the cut left dead) may
+                # be about our own isolation: the others, who kept their leases, judge.
+                a.decide(f"gossip: not acting on {member}'s death: we rejoined with a new "
+                         f"lease less than a lease TTL ago")
                 continue
             leader = a.view.leader()
             delay = 0.0

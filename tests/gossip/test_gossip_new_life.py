@@ -94,10 +94,14 @@ class _Agent:
         self.etcd = _Etcd()
         self.share = _Share()
         self.lease_is_lost = False
+        self.rejoined = False  # rejoined with a new lease within the last TTL
         self.decisions: list[str] = []
 
     def lease_fresh(self) -> bool:
         return True
+
+    def rejoined_recently(self) -> bool:
+        return self.rejoined
 
     def decide(self, message: str) -> None:
         self.decisions.append(message)
@@ -114,10 +118,12 @@ def dead_in_gossip(meta: dict[str, Any]) -> Swim:
     return swim
 
 
-def act(record: NodeRecord, meta: dict[str, Any]) -> _Agent:
+def act(record: NodeRecord, meta: dict[str, Any], rejoined: bool = False) -> _Agent:
     """node1's duty acting on node2's death, the death taken as witnessed (its probe
-    would have failed); returns the agent, with what it decided and revoked."""
+    would have failed); returns the agent, with what it decided and revoked.
+    ``rejoined``: node1 rejoined with a new lease within the last lease TTL."""
     agent = _Agent(record)
+    agent.rejoined = rejoined
 
     async def run() -> None:
         gossip = Gossip(agent, CFG)  # type: ignore[arg-type]
@@ -150,6 +156,16 @@ def test_the_verdict_revokes_the_lease_of_the_life_that_died() -> None:
     agent = act(NodeRecord("node2", ADDR, lease=0xA1), {LEASE_KEY: "a1", "running": 0})
     assert agent.etcd.revoked == [0xA1]
     assert "gossip: node2 is dead; revoking its lease a1" in agent.decisions
+
+
+def test_a_node_that_just_rejoined_leaves_deaths_to_the_others() -> None:
+    """node1 was cut off and is back with a new lease: its verdict on node2 may come
+    from its own isolation (measured: a leader cut off for 9 s, healed, revoked its
+    successor's lease 0.05-4.3 s after it rejoined, in 3 rounds of 20)."""
+    agent = act(NodeRecord("node2", ADDR, lease=0xA1), {LEASE_KEY: "a1"}, rejoined=True)
+    assert agent.etcd.revoked == []
+    assert ("gossip: not acting on node2's death: we rejoined with a new lease less than "
+            "a lease TTL ago") in agent.decisions
 
 
 def test_a_member_that_announced_no_lease_has_the_record_s_lease_revoked() -> None:
