@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from hypermesh.cli.common import load_view
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.agents import AgentProcess, hypermesh_command
 from hypermesh.local.mesh import LocalMesh
 from hypermesh.local.processes import wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 
 

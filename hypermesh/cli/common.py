@@ -33,9 +33,10 @@ from etcd3aio._protobuf import RangeRequest, RequestOp
 from hypermesh.cli.tls_options import ETCD_PARAMS, TLS_PARAMS, etcd_options, tls_options
 from hypermesh.config import ENV_ETCD, ENV_NAMESPACE, default_etcd, default_namespace
 from hypermesh.errors import HypermeshError, NotFound, RecipeError, UsageError
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.etcd_security import PLAINTEXT, EtcdSecurity
 from hypermesh.recipe.recipe import MAX_BLOCK
-from hypermesh.state.etcd import MAX_TXN_OPS, Etcd, parse_endpoints
+from hypermesh.state.etcd import MAX_TXN_OPS, Etcd
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.view import MeshView

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from hypermesh.errors import EtcdUnavailable
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.etcd import etcdctl_binary
 from hypermesh.local.netns import NetMesh
 from hypermesh.local.processes import wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from hypermesh.state.view import MeshView
 

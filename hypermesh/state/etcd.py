@@ -9,14 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
-import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlparse
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError
@@ -28,20 +25,18 @@ from hypermesh.errors import (
     EtcdPermissionDenied,
     EtcdUnavailable,
     LeaseLost,
-    UsageError,
 )
+from hypermesh.etcd_endpoints import resolve
 from hypermesh.etcd_security import (
     PLAINTEXT,
     EtcdSecurity,
     auth_refusal,
-    endpoints_scheme,
     rpc_details,
     tls_hint,
 )
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ETCD = "http://127.0.0.1:2379"
 # One etcd transaction may hold at most this many operations (etcd's --max-txn-ops
 # default is 128; stay below it).
 MAX_TXN_OPS = 120
@@ -70,25 +65,6 @@ def _cancelled(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.CANCELLED
 
 
-def parse_endpoints(urls: str) -> list[str]:
-    """``http://h1:2379,h2:2379`` -> ``["h1:2379", "h2:2379"]``; names a bad entry.
-    ``https://`` endpoints are TLS (``hypermesh/etcd_security.py``); one list never
-    mixes the two schemes."""
-    endpoints_scheme(urls)
-    endpoints = []
-    for raw in urls.split(","):
-        raw = raw.strip()
-        if not raw:
-            continue
-        parsed = urlparse(raw if "://" in raw else f"http://{raw}")
-        if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
-            raise UsageError(f"bad etcd endpoint {raw!r}: expected http(s)://HOST:PORT")
-        endpoints.append(f"{parsed.hostname}:{parsed.port}")
-    if not endpoints:
-        raise UsageError("no etcd endpoint given")
-    return endpoints
-
-
 # gRPC status codes that mean no endpoint answered (the others are etcd's own answers).
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.UNKNOWN)
@@ -96,26 +72,6 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 
 def _first_line(text: str | None) -> str:
     return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-
-
-async def _resolve(endpoint: str) -> str:
-    """``HOST:PORT`` with HOST as an IPv4 address (the first its name resolves to)."""
-    host, _, port = endpoint.rpartition(":")
-    try:
-        ipaddress.IPv4Address(host)
-        return endpoint
-    except ValueError:
-        pass
-    try:
-        found = await asyncio.get_running_loop().getaddrinfo(
-            host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM
-        )
-    except OSError as exc:
-        raise EtcdUnavailable(
-            f"cannot reach etcd at {endpoint}: cannot resolve host name {host!r} "
-            f"({exc.strerror or exc})"
-        ) from None
-    return f"{found[0][4][0]}:{port}"
 
 
 @dataclass(frozen=True)
@@ -170,7 +126,7 @@ class Etcd:
         """Open the channel. etcd3aio dials its endpoints as IPv4 addresses only (an
         ``ipv4:`` target), so host names are resolved here first; one that does not
         resolve raises ``EtcdUnavailable`` naming it."""
-        addresses = [await _resolve(endpoint) for endpoint in self.endpoints]
+        addresses = [await resolve(endpoint) for endpoint in self.endpoints]
         manager = getattr(self.client, "_manager", None)
         if addresses != self.endpoints and isinstance(getattr(manager, "target", None), str):
             manager.target = "ipv4:" + ",".join(addresses)  # type: ignore[union-attr]
@@ -483,29 +439,38 @@ class Etcd:
         etcd says it is gone, or no renewal sent in the last ``give_up_after`` s (default
         the TTL) was answered. A renewal counts from when it was sent, so a lease given
         up at ``give_up_after < ttl`` is given up before etcd can have expired it.
-        ``on_renewed(when)`` is told the send time of each renewal answered."""
+        ``on_renewed(when)`` is told the send time of each renewal answered. A try waits
+        a third of the interval at most; after a failed one, the next opens a stream per
+        endpoint and keeps the first to answer: round robin spreads them over the members,
+        so a silent one (its host cut off, connections still up) cannot take every retry."""
         from etcd3aio._protobuf import LeaseKeepAliveRequest
 
         assert self.client.lease is not None
         interval = keepalive_interval(ttl)
         give_up = ttl if give_up_after is None else give_up_after
-        last_ok = clock()
+        last_ok = sent = clock()
         request = LeaseKeepAliveRequest(ID=lease)
+        hedge = 1  # streams the next try opens: one per endpoint after a failed try
         while True:
             # etcd3aio has no persistent keep-alive stream: its stub (hence the pinned
             # version). Requests are written, not drawn from an async generator, which
             # grpc.aio logs errors for when the connection breaks while it sleeps.
             generation = self._token_gen
-            stream = self.client.lease._stub.LeaseKeepAlive(metadata=self._metadata())
+            streams = [self.client.lease._stub.LeaseKeepAlive(metadata=self._metadata())
+                       for _ in range(hedge)]
+            stream = streams[0]
             try:
                 while True:
                     sent = clock()
-                    wait = min(self.timeout, max(0.5, interval / 3),  # tries: a new stream
-                               max(0.05, last_ok + give_up - sent))  # may reach another member
-                    # asyncio.timeout, not wait_for: no task per renewal (3.11)
-                    async with asyncio.timeout(wait):
-                        await stream.write(request)
-                        answer = await stream.read()
+                    wait = min(self.timeout, max(0.5, interval / 3),
+                               max(0.05, last_ok + give_up - sent))
+                    if len(streams) > 1:  # rare: tasks are fine here
+                        stream, answer = await _first_answer(streams, request, wait)
+                        streams = [stream]
+                    else:  # asyncio.timeout, not wait_for: no task per renewal (3.11)
+                        async with asyncio.timeout(wait):
+                            await stream.write(request)
+                            answer = await stream.read()
                     if answer is grpc.aio.EOF:
                         break
                     if answer.TTL <= 0:
@@ -524,11 +489,15 @@ class Etcd:
                     with contextlib.suppress(EtcdUnavailable, EtcdAuthFailed):
                         await self._authenticate(stale=generation)
             finally:
-                stream.cancel()
+                for opened in streams:
+                    opened.cancel()
             if clock() - last_ok >= give_up:
                 on_lost()
                 return
-            await asyncio.sleep(min(interval, 0.5, max(0.0, last_ok + give_up - clock())))
+            hedge = len(self.endpoints)
+            # tries start at least 0.5 s apart (one that timed out has waited already)
+            await asyncio.sleep(min(interval, 0.5 - (clock() - sent),
+                                    last_ok + give_up - clock()))
 
     # ------------------------------------------------------------------ upkeep
     async def keys(self, prefix: str, limit: int) -> list[bytes]:
@@ -765,6 +734,39 @@ def _committed_at(success: Sequence[Any], reads: Sequence[Any]) -> int | None:
     return revisions.pop() if revisions else 0
 
 
+async def _first_answer(streams: Sequence[Any], request: Any, wait: float) -> tuple[Any, Any]:
+    """Write ``request`` on every keep-alive stream; the first of them to answer within
+    ``wait`` s, with its answer. The others are cancelled. If none answers: the last
+    error, else EOF (every stream ended), else ``TimeoutError``."""
+
+    async def renew(stream: Any) -> tuple[Any, Any]:
+        try:  # errors returned, not raised: a loser's is then never left unretrieved
+            await stream.write(request)
+            return stream, await stream.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            return stream, exc
+
+    tries = [asyncio.ensure_future(renew(stream)) for stream in streams]
+    winner, failed = None, None
+    try:
+        async with asyncio.timeout(wait):
+            for next_answer in asyncio.as_completed(tries):
+                stream, answer = await next_answer
+                if isinstance(answer, BaseException):
+                    failed = answer
+                elif answer is not grpc.aio.EOF:
+                    winner = stream
+                    return stream, answer
+    finally:
+        for attempt, stream in zip(tries, streams, strict=True):
+            attempt.cancel()
+            if stream is not winner:
+                stream.cancel()
+    if failed is not None:
+        raise failed
+    return streams[0], grpc.aio.EOF
+
+
 def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:
     """When a streaming call breaks (etcd3aio's watches feed theirs from an async
     generator), grpc.aio can leave the task that consumes the request iterator pending
@@ -790,11 +792,9 @@ def keepalive_interval(ttl: int) -> float:
 
 
 __all__ = [
-    "DEFAULT_ETCD",
     "MAX_TXN_OPS",
     "Etcd",
     "LeaseLost",
     "hush_broken_stream_noise",
     "keepalive_interval",
-    "parse_endpoints",
 ]

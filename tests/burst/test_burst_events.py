@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 from hypermesh.agent.burst.duty import BurstDuty
 from hypermesh.agent.burst.policy import BurstConfig
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.etcd_endpoints import parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from hypermesh.state.records import dumps
 from hypermesh.state.view import MeshView

@@ -13,7 +13,8 @@ from hypermesh.agent.burst.duty import BurstDuty
 from hypermesh.agent.burst.fence import leader_txn
 from hypermesh.agent.burst.policy import BurstConfig
 from hypermesh.errors import LeadershipLost
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.etcd_endpoints import parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.records import dumps
 from tests.burst.test_burst_events import stand_in_leader
 from tests.conftest import Mesh

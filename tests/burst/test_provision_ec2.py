@@ -35,8 +35,9 @@ from hypermesh.agent.burst.provisioner import (
     ProvisionError,
     launch_with_fallback,
 )
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.processes import free_port, stop_process, wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.pools import Pool
 from tests.burst.test_burst_events import stand_in_leader
 from tests.conftest import Mesh

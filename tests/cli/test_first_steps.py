@@ -181,7 +181,7 @@ def test_a_silent_etcd_port_is_one_clear_line(silent_port: int) -> None:
 
 def test_etcd_named_by_a_host_name_is_reached(mesh: Mesh) -> None:
     # "localhost" resolves on every machine (etcd listens on loopback only); the CLI
-    # resolves it itself (hypermesh/state/etcd.py _resolve) before dialling.
+    # resolves it itself (hypermesh/etcd_endpoints.py resolve) before dialling.
     port = mesh.etcd.url.rsplit(":", 1)[1]
     result = mesh.hm("--etcd", f"http://localhost:{port}", "status", "--json", check=True)
     assert json.loads(result.stdout) == []

@@ -20,9 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.local.processes import wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid
 from tests.tcp_proxy import CuttingProxy

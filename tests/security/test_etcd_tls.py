@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.etcd_security import ENV_ETCD_PASSWORD, EtcdSecurity
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.local.processes import wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.tls import TlsFiles, init_ca, issue
 from tests.conftest import Mesh
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import os
 import signal
 import time
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from hypermesh.errors import EtcdUnavailable, UsageError
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.etcd import EtcdCluster, EtcdServer
-from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, parse_endpoints
+from hypermesh.local.processes import wait_for
+from hypermesh.state.etcd import Etcd, hush_broken_stream_noise
 from tests.state.fence_kit import fault_txns
 from tests.tcp_proxy import CuttingProxy
 
@@ -334,3 +339,83 @@ def test_a_lease_is_given_up_before_etcd_can_expire_it(tmp_path: Path) -> None:
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def a_follower(cluster: EtcdCluster) -> EtcdServer:
+    """A member of ``cluster`` that does not lead it (as the members answer)."""
+
+    def find() -> EtcdServer | None:
+        for member in cluster.members:
+            status = member.etcdctl("endpoint", "status", "-w", "json", user=None, check=False)
+            with contextlib.suppress(ValueError, KeyError, IndexError):
+                state = json.loads(status.stdout)[0]["Status"]
+                if state["leader"] and state["header"]["member_id"] != state["leader"]:
+                    return member
+        return None
+
+    return cast(EtcdServer, wait_for(find, 20, "a follower of the etcd cluster"))
+
+
+def test_a_lease_outlives_a_silent_member(tmp_path: Path) -> None:
+    """A member whose host is cut off keeps its connections open and answers nothing (as
+    a stopped process does), so round robin still gives it new streams: a keep-alive
+    whose stream was on it must reach another member before it gives its lease up.
+    Twelve clients (agents), so that about four hold their stream on the silent member."""
+
+    async def scenario(urls: str, pid: int) -> None:
+        clients = [Etcd(parse_endpoints(urls)) for _ in range(12)]
+        renewed: list[list[float]] = [[] for _ in clients]
+        lost: list[int] = []
+        any_lost = asyncio.Event()
+        keepers = []
+
+        def lose(n: int) -> None:
+            lost.append(n)
+            any_lost.set()
+
+        async def read(etcd: Etcd) -> None:
+            with contextlib.suppress(TimeoutError, EtcdUnavailable):
+                await asyncio.wait_for(etcd.get("/chatter"), 0.3)
+
+        async def chatter(etcd: Etcd) -> None:
+            # An agent's other calls, started at a steady pace whoever answers: without
+            # them a stream opened again is round robin's next pick after the silent
+            # member, so never the silent member.
+            async with asyncio.TaskGroup() as calls:
+                while True:
+                    calls.create_task(read(etcd))
+                    await asyncio.sleep(0.02)
+
+        try:
+            for n, etcd in enumerate(clients):
+                await etcd.connect()
+                lease = await etcd.grant(3)
+                keepers.append(asyncio.create_task(etcd.keep_lease(
+                    lease, 3, functools.partial(lose, n), renewed[n].append, give_up_after=2.0)))
+                keepers.append(asyncio.create_task(chatter(etcd)))
+            await wait_until(lambda: all(len(r) >= 2 for r in renewed), 10, "two renewals each")
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            with contextlib.suppress(TimeoutError):  # ten give-up windows
+                await asyncio.wait_for(any_lost.wait(), 20)
+            assert not lost, (f"clients {lost} lost their lease "
+                              f"{time.monotonic() - stopped:.1f}s after a member stopped")
+            assert all(sum(sent > stopped for sent in r) >= 15 for r in renewed), renewed
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
+            for etcd in clients:
+                await etcd.close()
+
+    cluster = EtcdCluster(tmp_path, size=3).start()
+    try:
+        silent = a_follower(cluster)
+        assert silent.proc is not None
+        asyncio.run(scenario(cluster.url, silent.proc.pid))
+    finally:
+        for member in cluster.members:  # a stopped process would not see its SIGTERM
+            if member.proc is not None:
+                member.proc.send_signal(signal.SIGCONT)
+        cluster.stop()

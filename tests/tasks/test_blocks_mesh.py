@@ -11,8 +11,9 @@ import asyncio
 import os
 import signal
 
+from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.processes import wait_for
-from hypermesh.state.etcd import Etcd, parse_endpoints
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid
 from tests.mesh.test_mesh import successes
