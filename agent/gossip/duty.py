@@ -71,6 +71,11 @@ LOAD_FIELDS = frozenset({"running", "free_slots", "free_gpus"})
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
 LEASE_KEY = "lease"  # the meta entry naming the lease a member holds (hex)
+# Seconds a replaced channel to a peer lets its calls in flight finish before it cancels
+# them: closing it at once cancels them, and a CancelledError out of a call ends its
+# caller as if the caller were cancelled (the dashboard's /api/nodes then dropped the
+# browser's connection without an answer). Above the calls' deadlines (telemetry: 1 s).
+CLOSE_GRACE_S = 3.0
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -156,6 +161,7 @@ class Gossip:
         self._wake = asyncio.Event()
         self._sleep_until = 0.0  # when the protocol loop wakes by itself next
         self._sends: set[asyncio.Task[None]] = set()
+        self._closing: set[asyncio.Task[None]] = set()  # replaced links and channels
         self._cached_bytes = 0
         self._reads: dict[str, int] = {}  # blocks this node's mounts read, by source
         self.caches: list[CacheScan] = []  # each chunk cache as of the last scan
@@ -192,7 +198,8 @@ class Gossip:
                     async with asyncio.timeout(delay):
                         await self._wake.wait()
         finally:
-            for task in [*self._sends, *([self._holdings] if self._holdings else [])]:
+            for task in [*self._sends, *self._closing,
+                         *([self._holdings] if self._holdings else [])]:
                 task.cancel()
             self.agent.share.close()
             for link in self.links.values():
@@ -323,12 +330,12 @@ class Gossip:
         async def close() -> None:
             if link is not None:
                 await link.close()
-            if channel is not None:
-                await channel.close()
+            if channel is not None:  # calls in flight on it (a dashboard's telemetry
+                await channel.close(CLOSE_GRACE_S)  # request) end on their own deadlines
 
         task = asyncio.create_task(close())
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _on_broken(self, address: str) -> None:
         member = self._link_member.get(address)

@@ -13,6 +13,7 @@ import asyncio
 import random
 from typing import Any
 
+import grpc
 import pytest
 
 from hypermesh.agent.gossip.broadcast import Update
@@ -176,7 +177,7 @@ def test_a_member_that_announced_no_lease_has_the_record_s_lease_revoked() -> No
 class _Closable:
     closed = False
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
         self.closed = True
 
 
@@ -195,13 +196,50 @@ def test_a_member_back_from_the_dead_gets_a_new_connection() -> None:
         back = Update.alive("node2", ADDR, 1, 3, {LEASE_KEY: "b2"})
         gossip.swim.receive(Message("gossip", "node2", ADDR, updates=(back,)), 0.3)
         await gossip._act_on_events()
-        await asyncio.wait(list(gossip._sends), timeout=5)
+        await asyncio.wait(list(gossip._closing), timeout=5)
         return gossip
 
     gossip = asyncio.run(run())
     assert "gossip: node2 dead -> alive" in agent.decisions
     assert ADDR not in gossip.links and ADDR not in gossip.channels
     assert link.closed and channel.closed
+
+
+def test_a_call_in_flight_on_a_replaced_channel_still_gets_its_answer() -> None:
+    """A dashboard's telemetry request rides the gossip channel to a peer; when that
+    channel is replaced (the peer was suspected), the request still gets its answer:
+    closed at once, the channel cancelled it, and the CancelledError ended the
+    dashboard's handler as if it were cancelled, dropping the browser's connection."""
+
+    async def run() -> bytes:
+        received = asyncio.Event()
+
+        async def slow(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            received.set()
+            await asyncio.sleep(0.5)
+            return b"answer to " + request
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "test.Slow", {"Call": grpc.unary_unary_rpc_method_handler(slow)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            gossip = Gossip(_Agent(NodeRecord("node2", ADDR, lease=0xA1)), CFG)  # type: ignore[arg-type]
+            gossip.swim = dead_in_gossip({LEASE_KEY: "a1"})  # node2 at ADDR
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+            gossip.channels[ADDR] = channel
+            call = channel.unary_unary("/test.Slow/Call")(b"telemetry", timeout=5)
+            await asyncio.wait_for(received.wait(), 5)  # in flight
+            gossip._reset_link("node2")
+            assert ADDR not in gossip.channels  # the next call gets a new channel
+            answer: bytes = await call
+            await asyncio.wait(list(gossip._closing), timeout=10)
+            return answer
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(run()) == b"answer to telemetry"
 
 
 def test_the_meta_names_the_lease_held() -> None:

@@ -8,6 +8,11 @@ and print one JSON object a line, flushed, for the test to read.
 - ``first-piece ADDRESS``: ``{"ready": COUNTERS}``, then, once the agent's
   ``peer_bytes`` grew (a peer's first piece reached it), ``{"piece": EPOCH}``; polls
   every 10 ms for at most 30 s.
+- ``idle-channels ADDRESS TIME TIMEOUT``: two idle channels to the agent at ADDRESS, one
+  with the agents' keep-alive options at TIME / TIMEOUT s (``hypermesh/keepalive.py``),
+  one with gRPC's defaults; ``{"ready": EPOCH}`` once both are connected, then
+  ``{"channel": "keepalive"|"plain", "state": STATE, "t": EPOCH}`` at each change of
+  their connectivity, for at most 90 s.
 """
 
 from __future__ import annotations
@@ -63,6 +68,23 @@ def first_piece(address: str) -> None:
     sys.exit("no peer piece arrived within 30 s")
 
 
+def idle_channels(address: str, time_s: str, timeout_s: str) -> None:
+    from hypermesh import keepalive
+    from hypermesh._proto import agent_pb2, agent_pb2_grpc
+
+    options = keepalive.client_options(float(time_s), float(timeout_s))
+    channels = {"keepalive": grpc.insecure_channel(address, options=options),
+                "plain": grpc.insecure_channel(address)}
+    for channel in channels.values():  # one call each: connected, then idle
+        agent_pb2_grpc.AgentStub(channel).LocateChunks(agent_pb2.LocateChunksRequest(),
+                                                       timeout=10)
+    say({"ready": time.time()})
+    for name, channel in channels.items():
+        channel.subscribe(lambda state, name=name: say(
+            {"channel": name, "state": state.name, "t": time.time()}))
+    time.sleep(90)
+
+
 def main(argv: list[str]) -> None:
     what, *args = argv
     if what == "chunks":
@@ -71,6 +93,8 @@ def main(argv: list[str]) -> None:
         locate(*args)
     elif what == "first-piece":
         first_piece(*args)
+    elif what == "idle-channels":
+        idle_channels(*args)
     else:
         sys.exit(f"unknown probe {what!r}")
 
