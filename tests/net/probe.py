@@ -17,8 +17,10 @@ and print one JSON object a line, flushed, for the test to read.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+import threading
 import time
 from typing import Any
 
@@ -79,9 +81,14 @@ def idle_channels(address: str, time_s: str, timeout_s: str) -> None:
         agent_pb2_grpc.AgentStub(channel).LocateChunks(agent_pb2.LocateChunksRequest(),
                                                        timeout=10)
     say({"ready": time.time()})
+    lock = threading.Lock()  # gRPC calls back from threads of its own: a line at a time
+
+    def report(name: str, state: grpc.ChannelConnectivity) -> None:
+        with lock:
+            say({"channel": name, "state": state.name, "t": time.time()})
+
     for name, channel in channels.items():
-        channel.subscribe(lambda state, name=name: say(
-            {"channel": name, "state": state.name, "t": time.time()}))
+        channel.subscribe(functools.partial(report, name))
     time.sleep(90)
 
 

@@ -252,10 +252,12 @@ def test_a_peer_killed_half_way_through_a_transfer_costs_the_reader_only_time(
     finally:
         reader.join(60)
     assert got == [pair.data["a.bin"]]
-    # the transfer broke off half-way, and b read the range from the store instead
+    # the transfer broke off before its end, and b read the range from the store instead.
+    # Where it broke off depends on when the kill landed: after the first piece, or (on a
+    # loaded machine, where noticing the first piece took seconds) in the pause before
+    # the stream's end, all three pieces in: either way b's agent had no whole range.
     after = locate(b, first).counters
     assert after["peer_lost"] > before["peer_lost"]
-    assert after["peer_bytes"] - before["peer_bytes"] < 3 * MiB
     assert b.blocks("peer") == 0 and b.blocks("store") == 3 and b.gets(first) >= 1
 
 
