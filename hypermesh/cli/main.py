@@ -12,7 +12,8 @@ one module per concern:
 - ``workflows.py``: ``submit``, ``status``, ``tasks``, ``logs``, ``cancel``;
 - ``validate.py``: ``validate``, recipes checked (and their tasks counted) without submitting;
 - ``ops.py``: ``retry``, ``scale``, ``extend``, which change a running workflow;
-- ``ml.py``: ``best``, a workflow's best trials;
+- ``ml.py``: ``best``, a workflow's best trials with their curves;
+- ``compare.py``: ``compare``, the experiments of several workflows side by side;
 - ``nodes.py`` and ``top.py``: the live nodes, and what each uses;
 - ``burst.py``: ``pool`` and ``events``, the pools and the leader's burst decisions;
 - ``data.py``: ``data`` (data sets in an object store) and ``mount``;
@@ -33,6 +34,7 @@ import click
 from hypermesh.cli.agent import agent
 from hypermesh.cli.burst import events, pool
 from hypermesh.cli.cleanup import delete
+from hypermesh.cli.compare import compare
 from hypermesh.cli.data import data, mount
 from hypermesh.cli.ml import best
 from hypermesh.cli.nodes import nodes
@@ -57,8 +59,8 @@ def main(etcd: str | None, namespace: str | None, verbose: int) -> None:
 
 # `hypermesh --help` lists the commands in name order, whatever the order here.
 for _command in (
-    agent, submit, status, tasks, nodes, logs, cancel, best, data, pool, events, mount, top,
-    settings, tls, validate, *OPS_COMMANDS,
+    agent, submit, status, tasks, nodes, logs, cancel, best, compare, data, pool, events, mount,
+    top, settings, tls, validate, *OPS_COMMANDS,
 ):
     main.add_command(_command)
 main.add_command(delete)

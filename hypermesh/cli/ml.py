@@ -1,38 +1,91 @@
 """``hypermesh best``: the best trials of a workflow by its experiments' objectives (or by
-a metric named with ``--metric``); and the ``best`` entry ``status`` adds to an experiment
-that declares an objective."""
+a metric named with ``--metric``), each with the curve of that metric over the steps it
+reported; and the ``best`` entry ``status`` adds to an experiment that declares an
+objective.
+
+On a terminal the trials print as a rich table per experiment, the curve a sparkline
+(``sparkline``); otherwise one plain line per trial, without escape codes, for ``grep``.
+rich is imported only for the table.
+"""
 
 from __future__ import annotations
 
+import statistics
+import sys
+from collections.abc import Sequence
 from dataclasses import replace
+from itertools import groupby
 from typing import Any
 
 import click
 
-from hypermesh.cli.common import Mesh, load_view, mesh_options, print_json, run_async
+from hypermesh.cli.common import Mesh, aligned, load_view, mesh_options, print_json, run_async
 from hypermesh.errors import UsageError
 from hypermesh.recipe.ml import GOALS, Objective
 from hypermesh.recipe.recipe import Experiment
-from hypermesh.state.search import ranked, trials_of
+from hypermesh.state.search import Trial, ranked, trials_of
 from hypermesh.state.view import MeshView
 
+SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
+CURVE_WIDTH = 24
+"""Most blocks in a sparkline: a longer curve is averaged into this many."""
 
-def best_rows(view: MeshView, wid: str, exp: Experiment, n: int) -> list[dict[str, Any]]:
-    """The ``n`` best completed trials of ``exp``, best first, as ``best --json`` prints them."""
+
+def sparkline(values: Sequence[float], width: int = CURVE_WIDTH) -> str:
+    """``values`` as unicode blocks, the lowest ``▁`` and the highest ``█``: one block per
+    value, or past ``width`` values one per run of about equal length, averaged. A flat
+    curve is a row of ``▄``; no values, an empty string."""
+    if len(values) > width:
+        n = len(values)
+        values = [statistics.fmean(values[i * n // width:(i + 1) * n // width])
+                  for i in range(width)]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    if high == low:
+        return SPARK_BLOCKS[3] * len(values)
+    top = len(SPARK_BLOCKS) - 1
+    return "".join(SPARK_BLOCKS[round((v - low) / (high - low) * top)] for v in values)
+
+
+def curve_summary(curve: Sequence[Sequence[float]], goal: str) -> dict[str, Any]:
+    """``{"first", "best", "last", "steps"}`` of a curve ``[[step, value], ...]`` (the
+    values None when it is empty); ``best`` is the lowest value, or the highest when
+    ``goal`` is ``maximize``."""
+    values = [v for _, v in curve]
+    pick = max if goal == "maximize" else min
+    return {"first": values[0] if values else None, "best": pick(values) if values else None,
+            "last": values[-1] if values else None, "steps": len(values)}
+
+
+def trial_row(wid: str, exp: Experiment, t: Trial, rank: int | None) -> dict[str, Any]:
+    """One entry of ``best --json``: ``rank`` None for a trial that did not complete."""
     assert exp.objective is not None
-    rows = []
-    for rank, t in enumerate(ranked(exp.objective, trials_of(view, wid, exp))[:n], start=1):
-        rows.append(
-            {
-                "rank": rank,
-                "task": f"{wid}.{exp.name}.{t.index}",
-                "experiment": exp.name,
-                "metric": exp.objective.metric,
-                "goal": exp.objective.goal,
-                "value": t.value,
-                "params": t.params,
-            }
-        )
+    return {
+        "rank": rank,
+        "task": f"{wid}.{exp.name}.{t.index}",
+        "experiment": exp.name,
+        "metric": exp.objective.metric,
+        "goal": exp.objective.goal,
+        "value": t.value,
+        "params": t.params,
+        "state": t.state,
+        "curve": [[step, value] for step, value in sorted(t.intermediate.items())],
+    }
+
+
+def best_rows(
+    view: MeshView, wid: str, exp: Experiment, n: int, incomplete: bool = False
+) -> list[dict[str, Any]]:
+    """The ``n`` best completed trials of ``exp``, best first, as ``best --json`` prints
+    them; with ``incomplete``, then every trial that did not complete (pruned, failed,
+    running), by index."""
+    assert exp.objective is not None
+    trials = trials_of(view, wid, exp)
+    top = ranked(exp.objective, trials)[:n]
+    rows = [trial_row(wid, exp, t, rank) for rank, t in enumerate(top, start=1)]
+    if incomplete:
+        rows += [trial_row(wid, exp, t, None) for t in trials if t.state != "complete"]
     return rows
 
 
@@ -74,11 +127,67 @@ def _no_objective(view: MeshView, wid: str, experiment: str | None) -> UsageErro
     )
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def plain_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``best``'s lines off a terminal: rank (or the state of a trial that did not
+    complete), metric=value, task, curve, first/best/last values, steps and parameters,
+    in columns as wide as their widest cell."""
+    cells = []
+    for r in rows:
+        s = curve_summary(r["curve"], r["goal"])
+        cells.append([
+            str(r["rank"]) if r["rank"] is not None else r["state"],
+            f"{r['metric']}={_number(r['value'])}",
+            r["task"],
+            sparkline([v for _, v in r["curve"]]) or "-",
+            f"first={_number(s['first'])}",
+            f"best={_number(s['best'])}",
+            f"last={_number(s['last'])}",
+            f"steps={s['steps']}",
+            " ".join(f"{k}={v}" for k, v in r["params"].items()),
+        ])
+    return aligned(cells, right={0})
+
+
+STATE_STYLES = {"pruned": "yellow", "failed": "red", "running": "cyan"}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """``best``'s rich table on a terminal: one per experiment, the curve a sparkline,
+    trials that did not complete marked with their state."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    for (wid, name, metric, goal), group in groupby(
+        rows, key=lambda r: (r["task"].rsplit(".", 2)[0], r["experiment"], r["metric"], r["goal"])
+    ):
+        table = Table(title=f"{wid} {name}: {metric} ({goal})", title_justify="left")
+        for header in ("#", "TASK", metric, "CURVE", "FIRST", "BEST", "LAST", "STEPS", "PARAMS"):
+            table.add_column(header, justify="right" if header in ("#", "STEPS") else "left")
+        for r in group:
+            s = curve_summary(r["curve"], goal)
+            rank = (Text(str(r["rank"])) if r["rank"] is not None
+                    else Text(r["state"], style=STATE_STYLES.get(r["state"], "")))
+            table.add_row(
+                rank, r["task"], _number(r["value"]),
+                Text(sparkline([v for _, v in r["curve"]]), style="green"),
+                _number(s["first"]), _number(s["best"]), _number(s["last"]), str(s["steps"]),
+                " ".join(f"{k}={v}" for k, v in r["params"].items()),
+            )
+        console.print(table)
+
+
 def best_command(
     view: MeshView, wid: str, experiment: str | None, n: int, as_json: bool,
-    by: Objective | None = None,
+    by: Objective | None = None, incomplete: bool = False,
 ) -> None:
-    """Print the best trials; ``by``: rank by this metric instead of the objectives."""
+    """Print the best trials; ``by``: rank by this metric instead of the objectives;
+    ``incomplete``: then the trials that did not complete."""
     wf = view.workflows[wid]
     chosen = [wf.recipe.experiment(experiment)] if experiment else list(wf.recipe.experiments)
     if by is not None:
@@ -87,15 +196,16 @@ def best_command(
         exps = [e for e in chosen if e.objective is not None]
         if not exps:
             raise _no_objective(view, wid, experiment)
-    rows = [row for exp in exps for row in best_rows(view, wid, exp, n)]
+    rows = [row for exp in exps for row in best_rows(view, wid, exp, n, incomplete)]
     if as_json:
         print_json(rows)
-        return
-    if not rows:
+    elif not rows:
         click.echo("no completed trials yet")
-    for r in rows:
-        params = " ".join(f"{k}={v}" for k, v in r["params"].items())
-        click.echo(f"{r['rank']:>3}  {r['metric']}={r['value']:<12.6g} {r['task']:<40} {params}")
+    elif sys.stdout.isatty():
+        print_table(rows)
+    else:
+        for line in plain_lines(rows):
+            click.echo(line)
 
 
 @click.command()
@@ -109,18 +219,20 @@ def best_command(
               "objective].")
 @click.option("--goal", type=click.Choice(GOALS), default=None,
               help="With --metric: which way is better [default: minimize].")
+@click.option("--incomplete", is_flag=True,
+              help="Then the trials that did not complete: pruned, failed, running.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @mesh_options
 @run_async
 async def best(
     mesh: Mesh, workflow: str, experiment: str | None, count: int, metric: str | None,
-    goal: str | None, as_json: bool,
+    goal: str | None, incomplete: bool, as_json: bool,
 ) -> None:
     """Print the best trials of a workflow by its experiments' objectives, or by a metric
-    the tasks reported (--metric)."""
+    the tasks reported (--metric), each with its curve over the reported steps."""
     if goal is not None and metric is None:
         raise UsageError("--goal needs --metric NAME")
     by = Objective(metric, goal or "minimize") if metric else None  # type: ignore[arg-type]
     async with mesh.connect() as etcd:
         view = await load_view(etcd, mesh.ks, workflow)
-    best_command(view, workflow, experiment, count, as_json, by)
+    best_command(view, workflow, experiment, count, as_json, by, incomplete)

@@ -71,6 +71,9 @@ experiments:
         (2, 2, 18.0),
         (3, 3, 28.0),
     ]
+    # Each trial comes with the curve of its objective over the steps it reported.
+    assert [(r["state"], r["curve"]) for r in rows[:1]] == [
+        ("complete", [[0, 10.0], [1, 9.0], [2, 8.0]])]
     status = mesh.hm_json("status", wid)
     assert status["experiments"]["train"]["best"] == {
         "task": by_lr[1]["id"],
