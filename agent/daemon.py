@@ -66,6 +66,7 @@ from hypermesh.agent.tasks.blocks import BlockDuty
 from hypermesh.agent.tasks.containers import Containers
 from hypermesh.agent.tasks.dirpool import DirPool
 from hypermesh.agent.tasks.gpu_pool import GpuPool, gpu_source
+from hypermesh.agent.tasks.images import ImageCache, ImageConfig, images_in_use
 from hypermesh.agent.tasks.lifeline import Lifeline
 from hypermesh.agent.tasks.logs import LogShipper
 from hypermesh.agent.tasks.mounts import Mounts
@@ -176,7 +177,17 @@ class Agent:
         # Agents gossip with lan timings in every preset: real gRPC round trips
         # between Python processes on a loaded 2-core machine need them.
         self.gossip = Gossip(self, GossipConfig.lan())
-        self.containers = Containers()
+        self.containers = Containers(cfg.container_runtime)
+        # Images pulled ahead of claims, kept within a budget; what is being pulled goes
+        # into the node's record (publish_record), for `hypermesh tasks`.
+        self.images = ImageCache(
+            ImageConfig.for_agent(cfg.preset, cfg.image_budget, cfg.image_pull_deadline),
+            self.work_dir, self.containers.runtime,
+            in_use=self._images_in_use,
+            changed=self.publish_record, wake=self.wake, decide=self.decide,
+        )
+        self._publishing: asyncio.Task[None] | None = None
+        self._republish = False
         self.mounts = Mounts(self.work_dir, cfg.store, cfg.cache_size, cfg.data_deadline)
         share_cfg = ShareConfig.local() if cfg.preset == "local" else ShareConfig.lan()
         self.share = ChunkShare(self, share_cfg)  # peer chunk sharing; .share.peers.holders()
@@ -224,7 +235,8 @@ class Agent:
         """The node's registration record as of now (made again only when what can
         change has: the scheduler asks for it at every wake-up)."""
         key = (self.cfg, self.machine, self.address, self.state, self.lease, self.started_at,
-               self.metrics_address, self.http_address)  # the same objects: compared by identity
+               self.metrics_address, self.http_address,
+               self.images.version)  # the same objects: compared by identity
         if self._node_record is None or self._node_record[0] != key:
             self._node_record = (key, self._make_record())
         return self._node_record[1]
@@ -246,7 +258,32 @@ class Agent:
             lease=self.lease,
             metrics=self.metrics_address,
             http_address=self.http_address,
+            pulling=self.images.pulling(),
         )
+
+    def _images_in_use(self) -> set[str]:
+        return images_in_use(self.view, self.attempts.running)
+
+    def publish_record(self) -> None:
+        """Write the node's record again (what it pulls changed): one write at a time,
+        each of the record as it is then; nothing while the node holds no lease."""
+        if self._publishing is not None and not self._publishing.done():
+            self._republish = True
+            return
+        self._publishing = asyncio.ensure_future(self._put_record())
+
+    async def _put_record(self) -> None:
+        self._republish = True
+        while self._republish:
+            self._republish = False
+            if not self.lease or self.lease_lost.is_set():
+                return  # rejoining registers the record as it is then
+            try:
+                await self.etcd.put(
+                    self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease
+                )
+            except (EtcdUnavailable, LeaseLost) as exc:
+                log.warning("%s: node record not updated: %s", self.cfg.name, exc)
 
     def decide(self, message: str) -> None:
         """The node's decision log (claimed, lost lease, result rejected...), one
@@ -382,6 +419,7 @@ class Agent:
             if self.locality is not None:
                 self.locality.close()
             self.pool_wait.close()
+            await self.images.close()
             if self._dashboard_start is not None:
                 self._dashboard_start.cancel()
             if self._dashboard is not None:

@@ -30,6 +30,8 @@ ENV_NAMESPACE = "HYPERMESH_NAMESPACE"
 DEFAULT_NAMESPACE = "default"
 SPOT_NOTICE_URL = "http://169.254.169.254/latest/meta-data/spot/instance-action"
 TASK_ENV_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+CONTAINER_RUNTIMES = ("auto", "docker", "podman", "none")
+"""The values of ``--container-runtime`` (``AgentConfig.container_runtime``)."""
 """``--task-env``: a variable name, or a prefix ending in ``*``."""
 DASHBOARD_HOST_RE = re.compile(r"[a-z0-9](?:[a-z0-9.-]{0,252})(?::[0-9]{1,5})?")
 """``--dashboard-host``: a host name (lower case), optionally with ``:PORT``."""
@@ -121,6 +123,16 @@ class AgentConfig:
     """How long a read from a mounted data set retries an unavailable store before
     it fails with EIO."""
 
+    image_budget: str = "20GiB"
+    """Most bytes the container images this agent pulled may take (``--image-budget``);
+    past it the least recently used ones that no running task uses and no open
+    experiment wants are removed (``agent/tasks/images.py``). Images it did not pull
+    are never removed."""
+
+    image_pull_deadline: str | None = None
+    """How long one image pull may take, retries of a registry that is down included
+    (``--image-pull-deadline``); None: the preset's (lan 5 minutes, local 20 s)."""
+
     log_upload_s: float = 10.0
     """Seconds between copies of a running attempt's log to the object store (``store``;
     0.5-3600). Each copy re-uploads the whole log (object stores do not append), only
@@ -192,6 +204,13 @@ class AgentConfig:
     reach tasks without each recipe's ``pass_env``; every name added is a variable any
     recipe's tasks, and their logs, can read, so never add a credential here."""
 
+    container_runtime: str = "auto"
+    """What runs the tasks of experiments that name an ``image`` or ``framework``
+    (``--container-runtime``): ``auto`` asks docker, then podman, whether it answers (a
+    CLI without its daemon does not) at the first such task; ``docker`` or ``podman``
+    asks that one only; ``none`` runs them with the process runtime, as it does when no
+    runtime answers (each attempt's log says so)."""
+
     tls: TlsFiles | None = None
     """The mesh CA and this agent's certificate and key (``--tls-ca/--tls-cert/--tls-key``
     or ``HYPERMESH_TLS_*``; the certificate issued with ``hypermesh tls issue --agent``
@@ -231,6 +250,17 @@ class AgentConfig:
             parse_duration(self.data_deadline)
         except UnitError as exc:
             raise UsageError(f"--cache-size {self.cache_size!r}: {exc}") from exc
+        try:
+            parse_size(self.image_budget)
+        except UnitError as exc:
+            raise UsageError(f"--image-budget {self.image_budget!r}: {exc}") from exc
+        if self.image_pull_deadline is not None:
+            try:
+                deadline = parse_duration(self.image_pull_deadline)
+            except UnitError as exc:
+                raise UsageError(
+                    f"--image-pull-deadline {self.image_pull_deadline!r}: {exc}") from exc
+            _check_range("--image-pull-deadline", deadline, 1, 86400)
         if self.store is not None and not self.store.startswith(("s3://", "file:///")):
             raise UsageError(
                 f"--store {self.store!r}: expected s3://BUCKET[/PREFIX] or file:///ABSOLUTE/PATH"
@@ -252,6 +282,9 @@ class AgentConfig:
             if not TASK_ENV_RE.fullmatch(name):
                 raise UsageError(f"--task-env {name!r}: expected a variable name "
                                  "(letters, digits, '_') or a prefix ending in '*'")
+        if self.container_runtime not in CONTAINER_RUNTIMES:
+            raise UsageError(f"--container-runtime {self.container_runtime!r}: expected one "
+                             f"of {', '.join(CONTAINER_RUNTIMES)}")
         if self.metrics_listen is not None:
             _check_address("--metrics-listen", self.metrics_listen)
         if self.http_listen is not None:

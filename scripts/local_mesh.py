@@ -3,13 +3,16 @@
 
     local_mesh.py up  [--agents N] [--slots S] [--dir .mesh] [--s3] [--data NAME=DIR ...]
     local_mesh.py run RECIPE [--agents N] [--slots S] [--s3] [--data NAME=DIR ...]
+                             [--set [EXP.]FIELD=VALUE ...] [--in-container]
 
 ``up`` runs until Ctrl-C (or SIGTERM) and prints the environment to point the CLI at the mesh
 (``HYPERMESH_ETCD``, ``HYPERMESH_NAMESPACE``, ``HYPERMESH_TLS_*`` naming the CLI's
 certificate; with ``--s3`` also ``HYPERMESH_STORE`` and the S3 client variables).
 Every gRPC connection is mutual TLS with a CA the mesh makes in ``DIR/tls``
 (``--no-tls``: plaintext on loopback). ``run`` starts the mesh, runs
-``submit RECIPE --wait`` and stops. ``--s3`` starts a SeaweedFS S3 server as the
+``submit RECIPE --wait`` (with ``--set`` passed on) and stops; ``--in-container`` builds the
+local Python image (``hypermesh.local.images``) and runs every experiment of the recipe in it
+(``--set image=...``). ``--s3`` starts a SeaweedFS S3 server as the
 mesh's object store (agents get ``--store``); ``--data NAME=DIR`` puts DIR there
 as data set NAME before anything runs (implies ``--s3``). Everything it started
 is stopped on exit, also on Ctrl-C or SIGTERM at any point.
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 
 from hypermesh.local.agents import hypermesh_command
+from hypermesh.local.images import python_image
 from hypermesh.local.mesh import LocalMesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,9 +94,13 @@ def cmd_run(opts: argparse.Namespace) -> int:
     mesh = _start(opts)
     try:
         env = dict(os.environ, **mesh.env())
+        overrides = list(opts.overrides)
+        if opts.in_container:
+            overrides.append(f"image={python_image()}")
         started = time.monotonic()
         submit = subprocess.run(
-            [*hypermesh_command(), "submit", opts.recipe, "--wait"],
+            [*hypermesh_command(), "submit", opts.recipe, "--wait",
+             *(arg for o in overrides for arg in ("--set", o))],
             env=env,
             stdout=subprocess.PIPE,
             text=True,
@@ -131,6 +139,11 @@ def main() -> int:
         p = sub.add_parser(name)
         if name == "run":
             p.add_argument("recipe")
+            p.add_argument("--set", dest="overrides", action="append", default=[],
+                           metavar="[EXP.]FIELD=VALUE", help="passed on to submit (repeatable)")
+            p.add_argument("--in-container", action="store_true",
+                           help="run every experiment in the local Python image "
+                                "(hypermesh.local.images; needs podman)")
         p.add_argument("--agents", type=int, default=2)
         p.add_argument("--slots", type=int, default=2)
         p.add_argument("--namespace", default="default")

@@ -10,7 +10,12 @@ PYTHON=${PYTHON:-python3}
 # System packages the project needs: fuse3 for chunkfs mounts; libfuse3-dev and
 # pkg-config because pyfuse3 builds from source; chromium and its driver for the
 # dashboard's browser test (Selenium drives Debian's headless Chromium).
-APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config chromium chromium-driver)
+# The container runtime for tasks with `image:` and the tests' registry: podman with
+# runc (crun refuses hybrid cgroups such as these machines'), conmon and catatonit (`--init`),
+# docker-registry (a real registry on loopback) and busybox-static (the tools inside the
+# images the tests build: hypermesh/local/images.py).
+APT_PACKAGES=(ca-certificates fuse3 libfuse3-dev pkg-config chromium chromium-driver
+              podman runc conmon catatonit docker-registry busybox-static)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
@@ -35,6 +40,20 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing system packages: ${missing[*]}" >&2
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# podman's configuration for a machine like this one, written only where the machine has
+# none of its own (an existing docker or podman set-up is left alone): no default ulimits
+# (raising RLIMIT_NPROC needs CAP_SYS_RESOURCE, which a sandbox may lack), cgroupfs rather
+# than systemd (no systemd runs here), runc, and events in a file (no journald).
+CONTAINERS_CONF=/etc/containers/containers.conf
+if command -v podman >/dev/null 2>&1 && [ ! -e "$CONTAINERS_CONF" ] \
+    && [ -z "${CONTAINERS_CONF_OVERRIDE:-}" ] && [ ! -e "$HOME/.config/containers/containers.conf" ]; then
+  echo "setup: writing $CONTAINERS_CONF for podman" >&2
+  $SUDO mkdir -p /etc/containers
+  printf '%s\n' '# Written by hypermesh scripts/setup.sh (none was here).' '[containers]' \
+    'default_ulimits = []' '[engine]' 'cgroup_manager = "cgroupfs"' 'runtime = "runc"' \
+    'events_logger = "file"' | $SUDO tee "$CONTAINERS_CONF" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -68,6 +87,8 @@ import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.local.s3
 import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
 import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate, hypothesis" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
+podman run --rm --network none "$(.venv/bin/python -m hypermesh.local.images)" true \
+  || { echo "setup: podman cannot run a container here (see $CONTAINERS_CONF)" >&2; exit 1; }
 command -v kubectl >/dev/null 2>&1 \
   || { echo "setup: no kubectl (apt: kubectl or kubernetes-client) for tests/ops/test_k8s.py" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

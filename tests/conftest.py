@@ -25,7 +25,9 @@ import pytest
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess, mesh_agents, stop_all
 from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.images import python_image
 from hypermesh.local.processes import unmount_under, wait_for
+from hypermesh.local.registry import Registry
 from hypermesh.local.s3server import S3Server
 from hypermesh.state.keyspace import TaskRef
 
@@ -54,6 +56,28 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         with pytest.MonkeyPatch.context() as mp:
             for key, value in server.client_env().items():
                 mp.setenv(key, value)
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def container_image() -> str:
+    """An image built here (busybox, bash and this machine's Python: hypermesh/local/images.py),
+    in podman's store; its reference."""
+    return python_image()
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A real registry (docker-registry) on loopback for the session. Clients find it through
+    ``CONTAINERS_REGISTRIES_CONF`` (set in os.environ here: plain HTTP on loopback), so agents
+    started afterwards inherit it."""
+    server = Registry(tmp_path_factory.mktemp("registry"))
+    server.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CONTAINERS_REGISTRIES_CONF", str(server.registries_conf()))
             yield server
     finally:
         server.stop()

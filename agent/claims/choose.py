@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from hypermesh.agent.claims.placement import Placement
@@ -47,6 +48,7 @@ def choose_claims(
     rng: random.Random | None = None,
     placement: Placement | None = None,
     preference: PoolPreference | None = None,
+    held_back: Collection[tuple[str, str]] = (),
 ) -> list[ClaimPlan]:
     """Up to ``limit`` tasks this node can start now, with attempt numbers and slots.
 
@@ -57,7 +59,8 @@ def choose_claims(
     data this node holds come first and tasks a holder should take are skipped for a
     while (``agent/claims/placement.py``). With ``preference``, tasks of experiments that prefer
     other pools are left a while to those pools' live nodes with room
-    (``agent/claims/pool_preference.py``).
+    (``agent/claims/pool_preference.py``). Experiments in ``held_back`` (workflow,
+    experiment) are left alone: this node is pulling their image (``agent/tasks/images.py``).
     """
     spread = max(1, len(view.nodes)) if rng is not None else 1
     free = node.slots - len(load.running)
@@ -72,6 +75,8 @@ def choose_claims(
             continue
         for name in wf.recipe.topological_order():
             if (wf.id, name) not in view.expanded or view.experiment_cancelled(wf.id, name):
+                continue
+            if held_back and (wf.id, name) in held_back:
                 continue
             open_indices = view.open.get((wf.id, name))
             if not open_indices or view.batched(wf.id, name):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.agent.claims.choose import LocalLoad, choose_claims
 from hypermesh.agent.tasks.blocks import choose_block
+from hypermesh.agent.tasks.images import images_wanted
 from hypermesh.agent.tasks.running import Running
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.state.txns import ClaimPlan, claim_tasks
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from hypermesh.agent.tasks.attempts import Attempts
     from hypermesh.agent.tasks.blocks import BlockDuty
     from hypermesh.agent.tasks.gpu_pool import DeviceSource, GpuPool
+    from hypermesh.agent.tasks.images import ImageCache
     from hypermesh.config import AgentConfig
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace, TaskRef
@@ -61,6 +63,7 @@ class ClaimerHost(Protocol):
     gangs: GangDuty
     blocks: BlockDuty
     attempts: Attempts
+    images: ImageCache
     claiming: set[TaskRef]
     written_revision: int
     stopping: asyncio.Event
@@ -83,7 +86,9 @@ class Claimer:
     async def claim(self) -> None:
         """Claim and start what fits now, until nothing more does."""
         a = self.agent
-        await self._start_block_tasks()
+        # Experiments whose image this node is still pulling wait (agent/tasks/images.py).
+        held = a.images.hold(images_wanted(a.view, a.record()))
+        await self._start_block_tasks(held)
         while not a.stopping.is_set() and not a.lease_lost.is_set():
             batch = min(a.cfg.claim_batch, 100 // ClaimPlan.OPS)
             if a.view.revision < a.written_revision:
@@ -94,7 +99,8 @@ class Claimer:
             me = a.record()
             placement = a.locality.placement(a.view) if a.locality else None
             preference = a.pool_wait.round(a.view, me)
-            plans = choose_claims(a.view, me, load, batch, self.rng, placement, preference)
+            plans = choose_claims(a.view, me, load, batch, self.rng, placement, preference,
+                                  held)
             if a.locality is not None and placement is not None:
                 a.locality.after_round(placement, a.view)
             a.pool_wait.after_round(preference)
@@ -132,7 +138,7 @@ class Claimer:
                 a.attempts.start(r)
             a.decide(f"claimed {', '.join(str(p.ref) for p in plans)}")
 
-    async def _start_block_tasks(self) -> None:
+    async def _start_block_tasks(self, held_back: set[tuple[str, str]]) -> None:
         """Fill free slots from the blocks held here, claiming another block when
         they have nothing left to start (agent/tasks/blocks.py)."""
         a = self.agent
@@ -145,7 +151,7 @@ class Claimer:
             if start is None:
                 if not blocks.wants_block():
                     return
-                bref = choose_block(a.view, me, set(blocks.held), self.rng)
+                bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back)
                 if bref is None or await blocks.claim(bref) is None:
                     return
                 continue

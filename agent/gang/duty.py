@@ -363,14 +363,17 @@ class GangDuty:
         attempts.open_attempt_dir(ref, n)
         log_path = attempts.attempt_log(ref, n)
         image = image_for(exp.framework, exp.image)
+        on_stop = None  # a container left by a stop: removed
         if image is not None:
+            name = f"{ref.id}-{n}-{m.rank}"
             commands, runtime = await agent.containers.wrap(
-                f"{ref.id}-{n}-{m.rank}", image, commands, env, agent.base_env, devices,
-                workdir, log_path,
+                name, image, commands, env, agent.base_env, devices, workdir, log_path,
             )
+            on_stop = agent.containers.remover(runtime, name, len(commands))
             agent.decide(f"{ref} attempt {n}: image {image} with {runtime or 'no runtime'}")
         process = AttemptProcess(commands, env=env, cwd=workdir, log_path=log_path,
-                                 timeout=exp.timeout, grace=agent.cfg.kill_grace)
+                                 timeout=exp.timeout, grace=agent.cfg.kill_grace,
+                                 on_stop=on_stop)
         self.processes[ref] = process
         if m.stopping or agent.stopping.is_set():
             process.stop("preempted", grace=agent.drain_grace)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hypermesh.agent.ops.telemetry import TaskRoot
 from hypermesh.agent.tasks.containers import image_for
 from hypermesh.agent.tasks.gpu_pool import visible_devices
+from hypermesh.agent.tasks.images import ImageUnavailable
 from hypermesh.agent.tasks.metrics_watch import attempt_watch, metrics_file
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import AttemptProcess, Outcome
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from hypermesh.agent.tasks.containers import Containers
     from hypermesh.agent.tasks.dirpool import DirPool
     from hypermesh.agent.tasks.gpu_pool import GpuPool
+    from hypermesh.agent.tasks.images import ImageCache
     from hypermesh.agent.tasks.logs import LogShipper
     from hypermesh.agent.tasks.running import Running
     from hypermesh.config import AgentConfig
@@ -70,6 +72,7 @@ class AttemptsHost(Protocol):
     dirs: DirPool
     mounts: Mounts
     containers: Containers
+    images: ImageCache  # read at every attempt with an image
     logs: LogShipper
     gpu_pool: GpuPool
     blocks: BlockDuty
@@ -273,12 +276,24 @@ class Attempts:
                 self.logs.after_end(ref, n, failed_log)
                 return
             log_path = f"{folder}.log"  # attempt_log's path, without pathlib's cost
+            on_stop = None  # a container left by a stop: removed
             image = image_for(exp.framework, exp.image)
             if image is not None:
+                try:  # pulled ahead as a rule (agent/tasks/images.py): then present
+                    await self.agent.images.ensure(image)
+                except ImageUnavailable as exc:  # reason image; retries as usual
+                    self.agent.decide(f"{ref} attempt {n}: image {image}: {exc}")
+                    with open(log_path, "a") as image_log:
+                        image_log.write(f"hypermesh: cannot pull image {image}: {exc}\n")
+                    outcome = Outcome("failed", None, "image", time.time())
+                    await self._finish(r, exp.retries, started, outcome)
+                    self.logs.after_end(ref, n, log_path)
+                    return
                 commands, runtime = await self.containers.wrap(
                     f"{ref.id}-{n}", image, commands, env, self.base_env, r.devices,
                     Path(wf.workdir or self.work_dir), Path(log_path),
                 )
+                on_stop = self.containers.remover(runtime, f"{ref.id}-{n}", len(commands))
                 self.agent.decide(
                     f"{ref} attempt {n}: image {image} with {runtime or 'no runtime'}"
                 )
@@ -289,6 +304,7 @@ class Attempts:
                 log_path=log_path,
                 timeout=exp.timeout,
                 grace=self.agent.cfg.kill_grace,
+                on_stop=on_stop,
             )
             if self._stopping.is_set():
                 r.process.stop("preempted", grace=self.agent.drain_grace)

@@ -23,6 +23,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -76,12 +77,14 @@ class HeldBlock:
 
 
 def choose_block(
-    view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None
+    view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None,
+    held_back: Collection[tuple[str, str]] = (),
 ) -> BlockRef | None:
     """A block this node may claim: nobody holds it and it has a task without a result
     or claim. Oldest workflow first, experiments in dependency order, blocks in order;
     among the first few (one per live node), a random one, so that agents racing for
-    the same experiment rarely collide."""
+    the same experiment rarely collide. Experiments in ``held_back`` (workflow,
+    experiment) wait for their image (``agent/tasks/images.py``)."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
         if view.workflow_state(wf.id) in TERMINAL:
@@ -89,7 +92,7 @@ def choose_block(
         for name in wf.recipe.topological_order():
             if (wf.id, name) not in view.expanded or not view.batched(wf.id, name):
                 continue
-            if view.experiment_cancelled(wf.id, name):
+            if view.experiment_cancelled(wf.id, name) or (wf.id, name) in held_back:
                 continue
             if not allowed_on(wf.recipe.experiment(name), node):
                 continue

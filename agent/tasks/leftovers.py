@@ -13,9 +13,13 @@ belong to a dead agent's tasks are (:func:`doomed`):
 - every process whose environment carries the agent's marker entry (``lifeline``), which
   children inherit even when they leave the session and their parent dies.
 
+A container is run by its runtime (podman's conmon, dockerd), not by the task's own
+processes: killing its client leaves it running. Its processes carry the marker (the
+agent passes it in by name), so they are found here too; what the runtime still holds of it
+afterwards, :func:`remove_containers` removes by the label the agent gave it.
+
 Not covered: a process that left the session, lost its parent and dropped the marker
-from its environment; and a container that a daemon runs (dockerd, podman's conmon) rather
-than the task's own processes: the runtime's client dies, its container runs on.
+from its environment (inside a container too, though its container is removed).
 
 :func:`kill_leftovers` stops (SIGSTOP) what it finds, so that nothing forks or leaves while
 it looks, looks again until nothing new turns up, then kills it all (SIGKILL) and waits
@@ -29,6 +33,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Container, Iterable, Mapping
 
@@ -40,6 +45,12 @@ FIND_PASSES = 8
 
 GONE_WAIT_S = 5.0
 """How long :func:`kill_leftovers` waits for what it killed to be gone, in seconds."""
+
+RUNTIMES = ("docker", "podman")
+"""The container runtimes whose CLIs the agent runs containers with (``containers.py``)."""
+
+RUNTIME_WAIT_S = 20.0
+"""How long :func:`remove_containers` waits for each call of a runtime's CLI, in seconds."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,3 +209,27 @@ def kill_leftovers(
 def _signal(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def remove_containers(runtime: str, label: str, wait: float = RUNTIME_WAIT_S) -> int:
+    """Kill and remove every container of ``runtime`` (one of ``RUNTIMES``) labelled
+    ``label`` (``KEY=VALUE``); how many it found. A runtime that is missing, fails or
+    does not answer within ``wait`` seconds removes nothing."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"container runtime {runtime!r}: expected one of {RUNTIMES}")
+    listed = _run_cli([runtime, "ps", "--all", "--quiet", "--filter", f"label={label}"], wait)
+    ids = listed.split() if listed is not None else []
+    if ids:
+        force = ["--force", "--time", "0", "--ignore"] if runtime == "podman" else ["--force"]
+        _run_cli([runtime, "rm", *force, *ids], wait)
+    return len(ids)
+
+
+def _run_cli(argv: list[str], wait: float) -> str | None:
+    """``argv``'s output, or None if it cannot start, fails or outlives ``wait``."""
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=wait, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None

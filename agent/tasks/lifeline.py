@@ -9,19 +9,24 @@ here would run twice. When an agent opens its :class:`Lifeline`:
 - it keeps a journal, ``WORK/lifeline/PID.START`` (the agent's pid and start time, in
   ticks since boot): a line ``+ PID STARTED_BY`` when a command process starts and ``- PID``
   when it has been reaped (``leftovers.Record`` says why a start bound rules out a reused
-  pid); rewritten to the live entries when it grows long;
+  pid), and ``c RUNTIME`` before its first container of that runtime; rewritten to the
+  live entries when it grows long;
 - every task's environment carries ``HYPERMESH_LIFELINE=<journal path>``, a marker the
-  task's children inherit, also those that leave its session;
+  task's children inherit, also those that leave its session; a container gets it too
+  (by name), and the label ``hypermesh.lifeline=<journal path>`` (``containers.py``);
 - it starts a watchdog, ``python -m hypermesh.agent.tasks.lifeline JOURNAL``, in a
   session of its own, whose stdin is a pipe only the agent holds open. Whatever ends the
   agent (SIGKILL, the OOM killer, a clean exit) closes the pipe; the watchdog wakes,
   kills every process of the journal's tasks and every marked one
-  (``leftovers.kill_leftovers``), removes the journal and exits. It ignores SIGINT,
-  SIGTERM and SIGHUP: it lives exactly as long as its agent. If it dies first, the agent
-  starts another.
+  (``leftovers.kill_leftovers``: the containers' processes among them), then has each
+  runtime of the journal remove the containers labelled with it
+  (``leftovers.remove_containers``: a container outlives its killed client), removes the
+  journal and exits. It ignores SIGINT, SIGTERM and SIGHUP: it lives exactly as long as
+  its agent. If it dies first, the agent starts another.
 
 Per task this costs two ``write`` calls and the marker in an environment the agent builds
-anyway: no process, no file, no ``fork`` instead of ``vfork``. What is covered and what not
+anyway: no process, no file, no ``fork`` instead of ``vfork``; the watchdog execs a
+container runtime only for a journal that names one. What is covered and what not
 is said in ``leftovers``; docs/operations.md ("Tasks die with their agent") says why this
 and not a cgroup or ``PR_SET_PDEATHSIG``.
 
@@ -42,17 +47,22 @@ from collections.abc import Callable
 
 from hypermesh.agent.tasks.leftovers import (
     GONE_WAIT_S,
+    RUNTIMES,
     Record,
     boot_ticks,
     is_running,
     kill_leftovers,
     read_proc,
+    remove_containers,
 )
 
 log = logging.getLogger("hypermesh.agent")
 
 MARKER = "HYPERMESH_LIFELINE"
 """The environment variable every task process gets: its value is the journal's path."""
+
+CONTAINER_LABEL = "hypermesh.lifeline"
+"""The label of every container a task runs in: its value is the journal's path."""
 
 FOLDER = "lifeline"
 """The journals' folder in the work directory."""
@@ -74,6 +84,7 @@ class Journal:
     def __init__(self, path: str) -> None:
         self.path = path
         self._live: dict[int, int] = {}
+        self._runtimes: list[str] = []  # container runtimes named in the journal
         self._lines = 0
         self._broken = False
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
@@ -83,6 +94,12 @@ class Journal:
         ticks = boot_ticks()
         self._live[pid] = ticks
         self._write(b"+ %d %d\n" % (pid, ticks))
+
+    def container(self, runtime: str) -> None:
+        """Note that tasks run containers with ``runtime`` (once per runtime)."""
+        if runtime not in self._runtimes:
+            self._runtimes.append(runtime)
+            self._write(b"c %s\n" % runtime.encode())
 
     def ended(self, pid: int) -> None:
         if self._live.pop(pid, None) is None:
@@ -111,7 +128,8 @@ class Journal:
 
     def _compact(self) -> None:
         """Replace the journal by its live entries (a rename: a reader sees one or the other)."""
-        text = b"".join(b"+ %d %d\n" % item for item in self._live.items())
+        text = b"".join(b"c %s\n" % runtime.encode() for runtime in self._runtimes)
+        text += b"".join(b"+ %d %d\n" % item for item in self._live.items())
         tmp = f"{self.path}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
@@ -123,7 +141,7 @@ class Journal:
             return
         os.close(self._fd)
         self._fd = fd
-        self._lines = len(self._live)
+        self._lines = len(self._live) + len(self._runtimes)
 
 
 def read_journal(path: str) -> list[Record]:
@@ -144,6 +162,23 @@ def read_journal(path: str) -> list[Record]:
     return [Record(pid, started_by) for pid, started_by in live.items()]
 
 
+def journal_runtimes(path: str) -> list[str]:
+    """The container runtimes a journal names (only known ones: the watchdog execs them)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in lines[:-1]:
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == b"c":
+            runtime = parts[1].decode(errors="replace")
+            if runtime in RUNTIMES and runtime not in found:
+                found.append(runtime)
+    return found
+
+
 def marker_entry(journal: str) -> bytes:
     """The environment entry that marks the processes of ``journal``'s tasks."""
     return os.fsencode(f"{MARKER}={journal}")
@@ -155,18 +190,23 @@ def agent_of(journal: str) -> tuple[int, int] | None:
     return (int(pid), int(start)) if pid.isdigit() and start.isdigit() else None
 
 
-def kill_journal(journal: str, wait: float = GONE_WAIT_S) -> int:
-    """Kill what ``journal``'s tasks left running and remove it; how many processes."""
+def kill_journal(journal: str, wait: float = GONE_WAIT_S) -> tuple[int, int]:
+    """Kill what ``journal``'s tasks left running, remove their containers and the
+    journal; how many processes were killed and containers removed."""
     agent = agent_of(journal)
     since = 0 if agent is None else agent[1]  # its tasks are no older than it
+    # Processes first: a client killed now starts no container after the runtime looked.
     killed = kill_leftovers(read_journal(journal), marker_entry(journal), since, wait)
+    removed = sum(remove_containers(runtime, f"{CONTAINER_LABEL}={journal}")
+                  for runtime in journal_runtimes(journal))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(journal)
-    return killed
+    return killed, removed
 
 
 def clean_earlier(folder: str, own: str, decide: Callable[[str], None]) -> int:
-    """Kill what earlier agents of this work directory left running; how many processes.
+    """Kill what earlier agents of this work directory left running (processes, and
+    containers: removed); how many processes.
     A journal whose agent still runs (two agents on one work directory) is left alone."""
     total = 0
     for name in sorted(os.listdir(folder)):
@@ -181,9 +221,11 @@ def clean_earlier(folder: str, own: str, decide: Callable[[str], None]) -> int:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             continue
-        killed = kill_journal(path)
+        killed, removed = kill_journal(path)
         if killed:
             decide(f"killed {killed} processes that an earlier agent ({agent[0]}) left running")
+        if removed:
+            decide(f"removed {removed} containers that an earlier agent ({agent[0]}) left")
         total += killed
     return total
 
@@ -292,10 +334,10 @@ def watch(journal: str) -> int:
                 break
         except InterruptedError:
             continue
-    killed = kill_journal(journal)
-    if killed:
+    killed, removed = kill_journal(journal)
+    if killed or removed:
         print(f"hypermesh lifeline: the agent of {journal} is gone; killed {killed} processes "
-              "of its tasks", file=sys.stderr, flush=True)
+              f"and removed {removed} containers of its tasks", file=sys.stderr, flush=True)
     return 0
 
 

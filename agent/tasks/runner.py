@@ -6,7 +6,9 @@ process group (so a stop reaches every child). A command with no shell syntax at
 builtin) is executed directly, as GNU make does: bash would only exec it after
 starting, which costs a short task more CPU than the task itself (``direct_argv``).
 The first failing command ends the attempt. A stop (cancel, drain, timeout) sends
-SIGTERM to the group, then SIGKILL after the grace period.
+SIGTERM to the group, then SIGKILL after the grace period, and then runs the attempt's
+``on_stop`` when it has one: a container runtime's client that dies leaves its container
+running, which ``on_stop`` removes (``containers.py``).
 
 Their stdout and stderr go to one pipe that the agent's event loop copies into the
 attempt's log file, as a container runtime's shim does. The file is made only when
@@ -68,8 +70,10 @@ class AttemptProcess:
         log_path: str | Path,
         timeout: float | None,
         grace: float,
+        on_stop: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.commands = list(commands)
+        self.on_stop = on_stop
         self.env = dict(env)
         line = lifeline.ACTIVE
         if line is not None:
@@ -220,6 +224,11 @@ class AttemptProcess:
             await waiter
         # Children that ignored SIGTERM and outlived their parent still die.
         _signal_group(proc.pid, signal.SIGKILL)
+        if self.on_stop is not None:
+            try:
+                await self.on_stop()
+            except Exception:  # the attempt's end is recorded whatever this left
+                log.exception("after stopping %s", self.log_path)
 
 
 # What a command may be made of to be executed without a shell: every other character

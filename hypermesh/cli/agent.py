@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from hypermesh.cli.common import Mesh, dump_profile, err, mesh_options, run_async
-from hypermesh.config import AgentConfig, parse_locality_delay
+from hypermesh.config import CONTAINER_RUNTIMES, AgentConfig, parse_locality_delay
 from hypermesh.errors import UsageError
 from hypermesh.exposure import dashboard_token
 
@@ -100,6 +100,19 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Most bytes the chunk cache of each mounted data set holds.",
 )
 @click.option(
+    "--image-budget",
+    default="20GiB",
+    show_default=True,
+    help="Most bytes the container images this agent pulled may take; past it the least "
+    "recently used unused ones are removed (never images it did not pull).",
+)
+@click.option(
+    "--image-pull-deadline",
+    default=None,
+    metavar="DURATION",
+    help="How long one image pull may take, retries included [lan: 5m, local: 20s].",
+)
+@click.option(
     "--metrics-listen",
     default="127.0.0.1:0",
     show_default=True,
@@ -150,6 +163,14 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="An agent environment variable every task gets besides the built-in allow-list "
     "(PATH, HOME, locale...); NAME* for a prefix (repeatable). Never a credential: "
     "recipes ask for those with pass_env.",
+)
+@click.option(
+    "--container-runtime",
+    type=click.Choice(CONTAINER_RUNTIMES),
+    default="auto",
+    show_default=True,
+    help="What runs tasks with an image: auto asks docker, then podman, whether it answers; "
+    "none runs them as plain processes (as when no runtime answers; their logs say so).",
 )
 @click.option(
     "--health-listen",
@@ -207,6 +228,8 @@ def agent_start(
     spot_poll: float | None,
     store: str | None,
     cache_size: str,
+    image_budget: str,
+    image_pull_deadline: str | None,
     metrics_listen: str,
     telemetry_period: float | None,
     http_listen: str | None,
@@ -214,6 +237,7 @@ def agent_start(
     pool_delay: float | None,
     peer_sharing: str,
     task_env: tuple[str, ...],
+    container_runtime: str,
     insecure: bool,
     health_listen: str | None,
     dashboard_token_file: Path | None,
@@ -238,8 +262,11 @@ def agent_start(
         "labels": _parse_labels(labels),
         "store": store or os.environ.get("HYPERMESH_STORE") or None,
         "cache_size": cache_size,
+        "image_budget": image_budget,
+        "image_pull_deadline": image_pull_deadline,
         "metrics_listen": None if metrics_listen == "off" else metrics_listen,
         "task_env": task_env,
+        "container_runtime": container_runtime,
         "tls": mesh.tls,
         "etcd_security": mesh.etcd_security,
         "insecure": insecure,

@@ -325,8 +325,14 @@ def _read_document(text: str, source: str, report: _Report) -> _Node:
 
 # --------------------------------------------------------------------------- --set overrides
 
+TOP_OVERRIDES = ("name", "seed", "workdir", "image")
+"""The recipe's own fields that ``--set FIELD=VALUE`` may set (``--set image=REF`` runs every
+experiment without an image or framework of its own in REF)."""
+
+
 def _apply_override(root: _Node, text: str, report: _Report) -> None:
-    """Apply one ``EXP.FIELD[.SUB...]=VALUE`` to ``root``, or report why it cannot be.
+    """Apply one ``EXP.FIELD[.SUB...]=VALUE`` (or a top-level ``FIELD=VALUE`` of
+    ``TOP_OVERRIDES``) to ``root``, or report why it cannot be.
 
     ``VALUE`` is read as YAML; ``EXP`` must be an experiment under ``experiments``, and
     missing or null mappings on the way to ``FIELD`` are created. Problems are reported
@@ -336,8 +342,10 @@ def _apply_override(root: _Node, text: str, report: _Report) -> None:
     key = key.strip()
     where = f"--set {key}"
     parts = key.split(".")
-    if not equals or len(parts) < 2 or not all(parts):
-        report(None, where, f"expected EXP.FIELD=VALUE, got {text!r}")
+    top_level = len(parts) == 1 and key in TOP_OVERRIDES
+    if not equals or not all(parts) or (len(parts) < 2 and not top_level):
+        report(None, where, f"expected EXP.FIELD=VALUE or one of {', '.join(TOP_OVERRIDES)}"
+               f"=VALUE, got {text!r}")
         return
     reader = _Reader(lambda _line, _path, message: report(None, where, message), key)
     try:
@@ -350,6 +358,11 @@ def _apply_override(root: _Node, text: str, report: _Report) -> None:
         report(None, where, str(exc))
         return
     top = root.value if isinstance(root.value, dict) else {}
+    if top_level:
+        if isinstance(root.value, dict):
+            previous = top.get(key)
+            top[key] = _Entry(previous.key_line if previous else None, value)
+        return
     experiments = top.get("experiments")
     table = experiments.node.value if experiments is not None else None
     if not isinstance(table, dict) or parts[0] not in table:

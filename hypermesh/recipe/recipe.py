@@ -319,7 +319,7 @@ IMAGE_RE = re.compile(
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?"
 )
 
-_TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir")
+_TOP_FIELDS = ("experiments", "name", "seed", "env", "workdir", "image")
 _EXPERIMENT_FIELDS = (
     "command", "parameters", "samples", "workers", "hardware", "after", "env", "retries",
     "timeout", "framework", "image", "seed", "data", "pools", "objective", "sampling",
@@ -393,6 +393,7 @@ class _Checker(MLChecker, DagChecker):
         seed = self.integer(optional["seed"], "seed") if "seed" in optional else None
         workdir = self.string(optional["workdir"], "workdir") if "workdir" in optional else None
         env = self.env(top.get("env"), "env")
+        image = self.image(optional["image"], "image") if "image" in optional else None
         self._shared_env_chars = _env_size(env)
         experiments: list[Experiment | None] = []
         if "experiments" not in optional:
@@ -405,7 +406,7 @@ class _Checker(MLChecker, DagChecker):
                         f"at most {MAX_EXPERIMENTS}")
                 return None
             for exp_name, entry in entries.items():
-                experiments.append(self.experiment(exp_name, entry, env))
+                experiments.append(self.experiment(exp_name, entry, env, image))
             self.dependencies(list(entries))
         if self.problems:
             return None
@@ -420,7 +421,11 @@ class _Checker(MLChecker, DagChecker):
             return None
         return recipe
 
-    def experiment(self, name: str, entry: _Entry, shared_env: dict[str, str]) -> Experiment | None:
+    def experiment(
+        self, name: str, entry: _Entry, shared_env: dict[str, str], shared_image: str | None
+    ) -> Experiment | None:
+        """One experiment; ``shared_image`` (the top-level ``image``) is its image unless it
+        names its own ``image`` or a ``framework``."""
         path = f"experiments.{name}"
         before = len(self.problems)
         if not _EXPERIMENT_NAME.fullmatch(name):
@@ -452,6 +457,8 @@ class _Checker(MLChecker, DagChecker):
         timeout = optional("timeout", self.duration)
         framework = optional("framework", self.string)
         image = optional("image", self.image)
+        if "image" not in given and "framework" not in given:
+            image = shared_image
         seed = optional("seed", self.integer)
         data = optional("data", self.data) or {}
         pools = optional("pools", self.pools) or ()

@@ -20,11 +20,12 @@ from hypermesh.recipe.recipe import Recipe
 
 State = Literal["pending", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-# Reasons an attempt ended. Only ``exit`` and ``timeout`` count against ``retries``.
-# ``pruned``: the search stopped a trial early; its attempt and task end succeeded.
-REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned")
+# Reasons an attempt ended. Only ``exit``, ``timeout``, ``data`` and ``image`` count
+# against ``retries``. ``pruned``: the search stopped a trial early; its attempt and task
+# end succeeded. ``image``: the node could not pull the task's image (the log says why).
+REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned", "image")
 # Failures that count against an experiment's retries (a lost or preempted node does not).
-COUNTED_REASONS = frozenset({"exit", "timeout", "data"})
+COUNTED_REASONS = frozenset({"exit", "timeout", "data", "image"})
 
 
 def dumps(value: dict[str, Any]) -> bytes:
@@ -52,6 +53,9 @@ class NodeRecord:
     metrics: str = ""
     """HOST:PORT of the node's Prometheus ``/metrics``; empty when it serves none."""
     http_address: str = ""  # the node's web dashboard, if it serves one
+    pulling: dict[str, str] = field(default_factory=dict)
+    """``WORKFLOW/EXPERIMENT`` -> image: the experiments whose tasks the node leaves
+    unclaimed while it pulls their image (``agent/tasks/images.py``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -209,6 +209,9 @@ class MeshView(Mirror):
         unmet = unmet_needs(exp, self.nodes.values()) if s.pending else None
         if unmet is not None:
             return {"waiting": unmet}
+        pulling = self.pulling_reason(wf.id, name) if s.pending else None
+        if pulling is not None:
+            return {"waiting": pulling}
         if exp.nodes <= 1 or (wf.id, name) not in self.expanded:
             return {}
         for index in sorted(self.open.get((wf.id, name), ())):
@@ -288,9 +291,24 @@ class MeshView(Mirror):
         if wf is None or self.task_state(ref) != "pending":
             return {}
         exp = wf.recipe.experiment(ref.experiment)
-        reason = unmet_needs(exp, self.nodes.values()) or waiting_reason(
-            ref, exp, self.gangs, self.nodes, self.claims, self.results)
+        reason = (unmet_needs(exp, self.nodes.values())
+                  or self.pulling_reason(ref.workflow, ref.experiment)
+                  or waiting_reason(ref, exp, self.gangs, self.nodes, self.claims, self.results))
         return {} if reason is None else {"waiting": reason}
+
+    def pulling_reason(self, wid: str, name: str) -> str | None:
+        """``pulling image REF on NODE, ...`` while nodes pull the experiment's image
+        before they claim its tasks (``NodeRecord.pulling``); None when none does."""
+        key = f"{wid}/{name}"
+        by_image: dict[str, list[str]] = {}
+        for node, rec in sorted(self.nodes.items()):
+            image = rec.pulling.get(key) if rec.pulling else None
+            if image is not None:
+                by_image.setdefault(image, []).append(node)
+        if not by_image:
+            return None
+        return "; ".join(f"pulling image {image} on {', '.join(nodes)}"
+                         for image, nodes in sorted(by_image.items()))
 
     def task_metrics(self, ref: TaskRef) -> dict[str, float]:
         """Last metric values of the attempt that decided the task (or the newest that

@@ -722,6 +722,28 @@ def test_bad_overrides_are_problems() -> None:
     assert any("did you mean 'mnist'?" in p.message for p in found)
 
 
+def test_a_top_level_image_runs_experiments_without_their_own() -> None:
+    text = (
+        "image: localhost/team/base:1\n"
+        "experiments:\n"
+        "  plain: {command: x}\n"
+        "  torch: {command: x, framework: pytorch}\n"
+        "  own: {command: x, image: 'registry.local:5000/own:2'}\n"
+    )
+    recipe = parse_recipe(text)
+    assert [e.image for e in recipe.experiments] == [
+        "localhost/team/base:1", None, "registry.local:5000/own:2"]
+    # --set image=REF sets the recipe's own field, as if the file said it.
+    recipe = parse_recipe(text, overrides=["image=localhost/other:3", "seed=7"])
+    assert recipe.experiment("plain").image == "localhost/other:3"
+    assert recipe.experiment("own").image == "registry.local:5000/own:2"
+    assert recipe.seed == 7
+    found = problems(text, overrides=["image=--privileged"])
+    assert [(p.path, "--set image" in p.message) for p in found] == [("image", True)]
+    found = problems("image: 'a b'\nexperiments:\n  e: {command: x}\n")
+    assert [(p.line, p.path) for p in found] == [(1, "image")]
+
+
 def test_override_value_that_fails_validation_names_the_field() -> None:
     found = problems(FIGURE1.read_text(), overrides=["mnist.samples=0", "mnist.hardware.gpus=x"])
     assert {(p.line, p.path) for p in found} == {
