@@ -84,8 +84,9 @@ if ! .venv/bin/python -c "import torch.distributed as d; assert d.is_gloo_availa
 fi
 .venv/bin/python -c "import hypermesh.agent.daemon, hypermesh.local.etcd as m; m.etcd_binary()
 import pyfuse3, pyfuse3.asyncio, boto3, aiohttp, moto.server, hypermesh.local.s3server as s; s.weed_binary()
-import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna
-import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate, hypothesis" \
+import grpc_health.v1.health, grpc_reflection.v1alpha.reflection, prometheus_client, optuna, jupyterlab
+import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_validate, hypothesis
+import tensorboard.program, torch.utils.tensorboard" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 podman run --rm --network none "$(.venv/bin/python -m hypermesh.local.images)" true \
   || { echo "setup: podman cannot run a container here (see $CONTAINERS_CONF)" >&2; exit 1; }

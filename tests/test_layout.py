@@ -122,5 +122,6 @@ def test_every_package_folder_is_installed() -> None:
     listed = set(tool["packages"])
     folders = {module.name for module in check.find_modules(ROOT).values() if module.is_package}
     assert listed == folders
-    assert tool["package-data"]["hypermesh.agent.ops"] == ["static/*"]
+    assert tool["package-data"]["hypermesh.agent.ops"] == ["static/*", "static/vendor/*"]
     assert (ROOT / "agent" / "ops" / "static" / "index.html").is_file()
+    assert (ROOT / "agent" / "ops" / "static" / "vendor" / "echarts.min.js").is_file()

@@ -18,6 +18,12 @@ the server does no work of its own when nobody looks.
   answer shows none).
 - ``GET /api/logs/TASK_ID?attempt=N&offset=K``: the attempt's log from byte K on
   (at most ``LOG_PAGE`` bytes), and whether the attempt still runs.
+- ``GET /api/workflows/WID/trials?experiment=E&metric=M&goal=G``: the trials view of an
+  experiment (``trials.py``): its trials ranked by the objective (or metric ``M``), with
+  parameters, last metric values, states and the objective's curves, bounded in size.
+
+The charts are drawn by Apache ECharts, vendored as its built ``echarts.min.js`` with
+its licences under ``static/vendor/`` and served from the agent like the page.
 
 Every route is GET (``/login``'s form post aside); every request passes the Host
 check and, with a dashboard token, the login first (``dashboard_auth.py``). With the
@@ -36,7 +42,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from aiohttp import web
 
 from hypermesh.agent.ops.dashboard_auth import HostCheck, Login, add_login_routes, guard
+from hypermesh.agent.ops.notebook_proxy import add_notebook_routes
 from hypermesh.agent.ops.telemetry_client import fetch_telemetry, message_json
+from hypermesh.agent.ops.trials import TrialsError, experiment_trials
 from hypermesh.agent.tasks.logs import stream_log
 from hypermesh.errors import HypermeshError, NotFound
 from hypermesh.exposure import dashboard_https
@@ -55,11 +63,14 @@ if TYPE_CHECKING:
 
 LOG_PAGE = 1 << 20  # most bytes of a log one request returns
 TELEMETRY_WAIT_S = 1.0  # how long /api/nodes waits for a node's telemetry (page polls at 1 s)
-STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript")}
+STATIC = {"/": ("index.html", "text/html"), "/app.js": ("app.js", "text/javascript"),
+          "/trials.js": ("trials.js", "text/javascript"),
+          "/vendor/echarts.min.js": ("vendor/echarts.min.js", "text/javascript")}
+VENDOR_MAX_AGE_S = 24 * 3600  # browsers keep the vendored library a day (1.1 MB, 370 KB gzip)
 
 
 def _static(name: str) -> bytes:
-    return resources.files("hypermesh.agent.ops").joinpath("static", name).read_bytes()
+    return resources.files("hypermesh.agent.ops").joinpath("static", *name.split("/")).read_bytes()
 
 
 class DashboardAgent(Protocol):
@@ -84,9 +95,13 @@ class Dashboard:
 
     async def page(self, request: web.Request) -> web.Response:
         name, kind = STATIC[request.path]
-        return web.Response(
-            body=_static(name), content_type=kind, headers={"Cache-Control": "no-cache"}
-        )
+        vendored = name.startswith("vendor/")
+        cache = f"max-age={VENDOR_MAX_AGE_S}" if vendored else "no-cache"
+        response = web.Response(body=_static(name), content_type=kind,
+                                headers={"Cache-Control": cache})
+        if vendored:
+            response.enable_compression()  # gzip when the browser takes it
+        return response
 
     def _summaries(self, wids: list[str]) -> list[dict[str, Any]]:
         """``status --json`` of these workflows, cost included, from the agent's view."""
@@ -136,6 +151,21 @@ class Dashboard:
                 "tasks": view.task_rows(wid),
             }
         )
+
+    async def trials(self, request: web.Request) -> web.Response:
+        view = self.agent.full_view()
+        wid = request.match_info["wid"]
+        if wid not in view.workflows:
+            raise _error(web.HTTPNotFound, f"no workflow {wid!r}")
+        q = request.query
+        try:
+            body = experiment_trials(view, wid, q.get("experiment") or None,
+                                     q.get("metric") or None, q.get("goal") or None)
+        except NotFound as exc:
+            raise _error(web.HTTPNotFound, str(exc)) from exc
+        except TrialsError as exc:
+            raise _error(web.HTTPBadRequest, str(exc)) from exc
+        return web.json_response(body)
 
     async def nodes(self, request: web.Request) -> web.Response:
         a = self.agent
@@ -221,8 +251,10 @@ def make_app(agent: DashboardAgent, port: int, https: bool) -> web.Application:
         app.router.add_get(path, d.page)
     app.router.add_get("/api/workflows", d.workflows)
     app.router.add_get("/api/workflows/{wid}", d.workflow)
+    app.router.add_get("/api/workflows/{wid}/trials", d.trials)
     app.router.add_get("/api/nodes", d.nodes)
     app.router.add_get("/api/logs/{task}", d.logs)
+    add_notebook_routes(app, agent)  # /notebook/TASK_ID/...: notebook_proxy.py
     return app
 
 

@@ -39,6 +39,8 @@ from hypermesh.errors import EtcdUnavailable, HypermeshError, LeaseLost
 from hypermesh.recipe.templating import param_env, render
 from hypermesh.state.records import Attempt
 from hypermesh.state.txns import Finish, finish_attempts
+from hypermesh.task_outputs import ENV as TENSORBOARD_ENV
+from hypermesh.task_outputs import tensorboard_dir
 
 if TYPE_CHECKING:
     from hypermesh.agent.tasks.blocks import BlockDuty
@@ -223,7 +225,8 @@ class Attempts:
     async def data_environment(self, ref: TaskRef, data: dict[str, str]) -> dict[str, str]:
         """Mount the task's data sets; ``HM_DATA_<ALIAS>`` for each, ``HM_DATA`` for the
         first, and ``HM_CHECKPOINT_DIR``: in the mounts' shared writable area when the
-        task has data (so a later attempt on any node finds it), else on this node."""
+        task has data (so a later attempt on any node finds it), else on this node;
+        ``HM_TENSORBOARD_DIR``: see ``hypermesh/task_outputs.py``."""
         env: dict[str, str] = {}
         for alias, spec in data.items():
             path = await self.mounts.ensure(spec)
@@ -238,6 +241,9 @@ class Attempts:
             if not os.path.isdir(local):
                 self.dirs.make(local)
             env["HM_CHECKPOINT_DIR"] = local
+        # Not made in advance: the writer makes it (hypermesh/task_outputs.py).
+        workdir = self.view.workflows[ref.workflow].workdir or self._work_dir
+        env[TENSORBOARD_ENV] = tensorboard_dir(env.get("HM_DATA"), workdir, ref.id)
         return env
 
     # ------------------------------------------------------------------ one attempt

@@ -16,12 +16,12 @@ from typing import Any
 import click
 
 from hypermesh.cli.common import Mesh, aligned, load_view, mesh_options, print_json, run_async
-from hypermesh.cli.ml import curve_summary, sparkline, trial_row
+from hypermesh.cli.ml import sparkline
 from hypermesh.errors import UsageError
 from hypermesh.recipe.diff import describe, differences, search_settings
 from hypermesh.recipe.ml import GOALS, Objective
 from hypermesh.recipe.recipe import Experiment
-from hypermesh.state.search import ranked, trials_of
+from hypermesh.state.search import curve_summary, ranked, trial_row, trials_of
 from hypermesh.state.view import MeshView
 
 

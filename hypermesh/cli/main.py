@@ -14,6 +14,8 @@ one module per concern:
 - ``ops.py``: ``retry``, ``scale``, ``extend``, which change a running workflow;
 - ``ml.py``: ``best``, a workflow's best trials with their curves;
 - ``compare.py``: ``compare``, the experiments of several workflows side by side;
+- ``notebook.py``: ``notebook``, JupyterLab as a task next to the data;
+- ``tensorboard.py``: ``tensorboard``, a workflow's event files served by TensorBoard;
 - ``nodes.py`` and ``top.py``: the live nodes, and what each uses;
 - ``burst.py``: ``pool`` and ``events``, the pools and the leader's burst decisions;
 - ``data.py``: ``data`` (data sets in an object store) and ``mount``;
@@ -38,8 +40,10 @@ from hypermesh.cli.compare import compare
 from hypermesh.cli.data import data, mount
 from hypermesh.cli.ml import best
 from hypermesh.cli.nodes import nodes
+from hypermesh.cli.notebook import notebook
 from hypermesh.cli.ops import OPS_COMMANDS
 from hypermesh.cli.settings import settings
+from hypermesh.cli.tensorboard import tensorboard
 from hypermesh.cli.tls import tls
 from hypermesh.cli.top import top
 from hypermesh.cli.validate import validate
@@ -64,6 +68,8 @@ for _command in (
 ):
     main.add_command(_command)
 main.add_command(delete)
+main.add_command(tensorboard)
+main.add_command(notebook)
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,7 @@ from hypermesh.cli.common import Mesh, aligned, load_view, mesh_options, print_j
 from hypermesh.errors import UsageError
 from hypermesh.recipe.ml import GOALS, Objective
 from hypermesh.recipe.recipe import Experiment
-from hypermesh.state.search import Trial, ranked, trials_of
+from hypermesh.state.search import curve_summary, ranked, trial_row, trials_of
 from hypermesh.state.view import MeshView
 
 SPARK_BLOCKS = "▁▂▃▄▅▆▇█"
@@ -46,32 +46,6 @@ def sparkline(values: Sequence[float], width: int = CURVE_WIDTH) -> str:
         return SPARK_BLOCKS[3] * len(values)
     top = len(SPARK_BLOCKS) - 1
     return "".join(SPARK_BLOCKS[round((v - low) / (high - low) * top)] for v in values)
-
-
-def curve_summary(curve: Sequence[Sequence[float]], goal: str) -> dict[str, Any]:
-    """``{"first", "best", "last", "steps"}`` of a curve ``[[step, value], ...]`` (the
-    values None when it is empty); ``best`` is the lowest value, or the highest when
-    ``goal`` is ``maximize``."""
-    values = [v for _, v in curve]
-    pick = max if goal == "maximize" else min
-    return {"first": values[0] if values else None, "best": pick(values) if values else None,
-            "last": values[-1] if values else None, "steps": len(values)}
-
-
-def trial_row(wid: str, exp: Experiment, t: Trial, rank: int | None) -> dict[str, Any]:
-    """One entry of ``best --json``: ``rank`` None for a trial that did not complete."""
-    assert exp.objective is not None
-    return {
-        "rank": rank,
-        "task": f"{wid}.{exp.name}.{t.index}",
-        "experiment": exp.name,
-        "metric": exp.objective.metric,
-        "goal": exp.objective.goal,
-        "value": t.value,
-        "params": t.params,
-        "state": t.state,
-        "curve": [[step, value] for step, value in sorted(t.intermediate.items())],
-    }
 
 
 def best_rows(

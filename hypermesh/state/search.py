@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -207,3 +208,32 @@ def ranked(objective: Objective, trials: list[Trial]) -> list[Trial]:
     done = [t for t in trials if t.state == "complete" and t.value is not None]
     sign = 1.0 if objective.goal == "minimize" else -1.0
     return sorted(done, key=lambda t: (sign * (t.value or 0.0), t.index))
+
+
+# --------------------------------------------------------------------------- rows
+# What `hypermesh best --json`, `compare` and the dashboard's trials view show of a trial.
+
+def curve_summary(curve: Sequence[Sequence[float]], goal: str) -> dict[str, Any]:
+    """``{"first", "best", "last", "steps"}`` of a curve ``[[step, value], ...]`` (the
+    values None when it is empty); ``best`` is the lowest value, or the highest when
+    ``goal`` is ``maximize``."""
+    values = [v for _, v in curve]
+    pick = max if goal == "maximize" else min
+    return {"first": values[0] if values else None, "best": pick(values) if values else None,
+            "last": values[-1] if values else None, "steps": len(values)}
+
+
+def trial_row(wid: str, exp: Experiment, t: Trial, rank: int | None) -> dict[str, Any]:
+    """One entry of ``best --json``: ``rank`` None for a trial that did not complete."""
+    assert exp.objective is not None
+    return {
+        "rank": rank,
+        "task": f"{wid}.{exp.name}.{t.index}",
+        "experiment": exp.name,
+        "metric": exp.objective.metric,
+        "goal": exp.objective.goal,
+        "value": t.value,
+        "params": t.params,
+        "state": t.state,
+        "curve": [[step, value] for step, value in sorted(t.intermediate.items())],
+    }

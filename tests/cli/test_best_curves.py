@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from hypermesh.cli.ml import CURVE_WIDTH, curve_summary, plain_lines, print_table, sparkline
+from hypermesh.cli.ml import CURVE_WIDTH, plain_lines, print_table, sparkline
+from hypermesh.state.search import curve_summary
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -103,6 +104,11 @@ def test_a_running_workflow_is_refused_unless_forced_and_its_tasks_stop(mesh: Me
                              env=mesh.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     try:
+        # The follower is following before the delete (a loaded machine starts it late):
+        # its first progress line (on stderr, stdout not being a terminal) says so.
+        assert watch.stderr is not None
+        started, _, _ = select.select([watch.stderr], [], [], 30)
+        assert started and watch.stderr.readline(), "status --watch printed nothing in 30 s"
         forced = mesh.hm("delete", "--force", wid, "--drain", "20", timeout=90)
         _, watched = watch.communicate(timeout=30)
     finally:

@@ -76,7 +76,9 @@ def test_a_new_leader_takes_over(mesh: Mesh) -> None:
 experiments:
   first:
     samples: 2
-    command: ['sleep 1']
+    # Each waits for the test's go-ahead (or 20 s), so it is still running when the
+    # leader dies, however slowly the test's CLI calls come on a loaded machine.
+    command: ['for i in $(seq 400); do [ -e go ] && break; sleep 0.05; done']
   second:
     after: [first]
     samples: 2
@@ -94,6 +96,7 @@ experiments:
         15,
         "the survivor to lead",
     )
+    (recipe.parent / "go").touch()
     status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
     assert status["state"] == "succeeded"  # the second experiment was expanded by the new leader
     again = mesh.hm("submit", str(recipe), "--wait", timeout=60)

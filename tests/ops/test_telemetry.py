@@ -124,7 +124,9 @@ def test_sampler_attributes_a_busy_process_tree(tmp_path: Path) -> None:
         proc.wait()
     assert usage.task_id == "wf.exp.0" and usage.attempt == 1
     assert usage.processes == 2
-    assert usage.cpu_percent > 30  # one busy core is 100; a loaded test machine gives less
+    # One busy core is 100; a test machine running other tests beside gives it less (17 %
+    # seen at a load of 7 on 2 cores), an idle tree about 0.
+    assert usage.cpu_percent > 5
     assert usage.rss > 1 << 20
     assert usage.gpu_memory == 3 << 30  # the shell's share from the fake NVML
     assert node.cpu_percent > 0

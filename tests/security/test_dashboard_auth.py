@@ -201,7 +201,9 @@ def trust(pki: LocalPki) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(pki.member("guard1", agent=True).ca))
 
 
-@pytest.mark.parametrize("path", ["/", "/app.js", "/api/nodes", "/api/workflows", "/nowhere"])
+@pytest.mark.parametrize("path", ["/", "/app.js", "/trials.js", "/vendor/echarts.min.js",
+                                  "/api/nodes", "/api/workflows", "/api/workflows/wf-1/trials",
+                                  "/nowhere"])
 def test_a_forged_host_is_refused_on_loopback(open_agent: AgentProcess, path: str) -> None:
     status, _, body = request(open_agent.http_address, "GET", path, host="rebind.evil.example")
     assert status == 403
@@ -254,6 +256,8 @@ def test_without_a_login_pages_redirect_and_the_api_answers_401(
     status, headers, _ = request(address, "GET", "/", tls=trust)
     assert (status, headers["location"]) == (303, "/login")
     status, headers, body = request(address, "GET", "/api/nodes", tls=trust)
+    assert status == 401 and "login required" in json.loads(body)["error"]
+    status, _, body = request(address, "GET", "/api/workflows/wf-1/trials", tls=trust)
     assert status == 401 and "login required" in json.loads(body)["error"]
     status, _, body = request(address, "GET", "/login", tls=trust)
     assert status == 200 and b'name="token"' in body

@@ -21,7 +21,7 @@ AWS_KEY_ID = "AKIAAGENTKEYID"
 API_TOKEN = "s3cr3t"
 HM_SET = ("HM_WORKFLOW_ID", "HM_EXPERIMENT", "HM_TASK_ID", "HM_TASK_INDEX", "HM_ATTEMPT",
           "HM_NODE", "HM_ATTEMPT_DIR", "HM_METRICS_FILE", "HM_CHECKPOINT_DIR",
-          "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HYPERMESH_LIFELINE")
+          "HM_TENSORBOARD_DIR", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HYPERMESH_LIFELINE")
 
 
 def agent_with_credentials(mesh: Mesh, name: str = "node1", path: str | None = None,
@@ -123,6 +123,8 @@ experiments:
         assert (env["OWN"], env["AWS_SECRET_ACCESS_KEY"], env["RANK"]) == (
             "mine", AWS_SECRET, rank)
         assert env["HM_TASK_ID"] == f"{wid}.pair.0" and env["HM_GANG_SIZE"] == "2"
+        # every rank the same folder: the workflow's workdir (no data)
+        assert env["HM_TENSORBOARD_DIR"] == f"{mesh.root}/.hm-tensorboard/{wid}.pair.0"
         assert env["PATH"] == os.environ["PATH"]
 
 

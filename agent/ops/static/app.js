@@ -269,6 +269,7 @@ async function refresh() {
       renderDag(wf.dag, wf.status);
       renderTasks(wf.tasks);
     }
+    await refreshTrials(ui.wid); // trials.js: the chosen workflow's trials, every few seconds
     await refreshLog();
     renderNodes(await getJSON("/api/nodes"));
     document.getElementById("error").textContent = "";
