@@ -81,9 +81,11 @@ async def through_proxy(base: str, task: str, token: str, tls: ssl.SSLContext) -
                 "content": {"code": "print(6 * 7)", "silent": False, "store_history": False,
                             "user_expressions": {}, "allow_stdin": False},
             })
-            printed, reply = "", None
+            # The reply (shell) and the output (iopub) come on different channels, in no
+            # set order; the kernel's "idle" status (iopub) comes after the request's output.
+            printed, reply, idle = "", None, False
             async with asyncio.timeout(20):
-                while reply is None:
+                while reply is None or not idle:
                     msg = await ws.receive_json()
                     if msg["parent_header"].get("msg_id") != msg_id:
                         continue
@@ -91,6 +93,8 @@ async def through_proxy(base: str, task: str, token: str, tls: ssl.SSLContext) -
                         printed += msg["content"]["text"]
                     elif msg["msg_type"] == "execute_reply":
                         reply = msg["content"]["status"]
+                    elif msg["msg_type"] == "status":
+                        idle = msg["content"]["execution_state"] == "idle"
             assert (printed.strip(), reply) == ("42", "ok")
 
 

@@ -30,10 +30,10 @@ from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess
 from hypermesh.local.processes import wait_for
+from hypermesh.local.s3server import ACCESS_KEY, SECRET_KEY
 from tests.conftest import Mesh, process_gone
 from tests.tasks.test_lifeline import watchdog_of
 from tests.tasks.test_task_environment_mesh import (
-    AWS_SECRET,
     ETCD_PASSWORD,
     agent_with_credentials,
     printed_env,
@@ -122,7 +122,8 @@ def test_a_task_runs_in_its_image_as_a_process_task_would(
     (src / "shard").mkdir(parents=True)
     (src / "shard" / "part.txt").write_text("hello from the data set\n")
     put_dataset(store, src, "toy", chunk_size=4 << 20)
-    agent = agent_with_credentials(mesh, slots=3, extra=(
+    # The agent's own credentials are the store's (it uploads logs and outputs with them).
+    agent = agent_with_credentials(mesh, slots=3, aws=(ACCESS_KEY, SECRET_KEY), extra=(
         "--store", store_url, "--cache-size", "64MiB", "--grace", "1"))
     recipe = mesh.write_recipe(f"""
 experiments:
@@ -153,7 +154,7 @@ experiments:
     inside = printed_env(log)
     assert inside["OWN"] == "mine" and inside["HM_TASK_ID"] == f"{wid}.inside.0"
     assert inside["HYPERMESH_LIFELINE"].startswith(str(agent.work_dir / "lifeline"))
-    assert "AWS_SECRET_ACCESS_KEY" not in inside and AWS_SECRET not in log
+    assert "AWS_SECRET_ACCESS_KEY" not in inside and SECRET_KEY not in log
     assert ETCD_PASSWORD not in log
     assert inside["PATH"] != os.environ["PATH"]  # the image's, not the host's
     # The last mount at a path is the one its files are reached through.

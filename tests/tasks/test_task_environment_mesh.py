@@ -25,10 +25,12 @@ HM_SET = ("HM_WORKFLOW_ID", "HM_EXPERIMENT", "HM_TASK_ID", "HM_TASK_INDEX", "HM_
 
 
 def agent_with_credentials(mesh: Mesh, name: str = "node1", path: str | None = None,
-                           slots: int = 2, extra: tuple[str, ...] = ()) -> AgentProcess:
+                           slots: int = 2, extra: tuple[str, ...] = (),
+                           aws: tuple[str, str] = (AWS_KEY_ID, AWS_SECRET)) -> AgentProcess:
     """An agent whose own environment holds credentials, as a real host's would, and
-    a site's settings (``SITE_*``)."""
-    env = dict(os.environ, AWS_SECRET_ACCESS_KEY=AWS_SECRET, AWS_ACCESS_KEY_ID=AWS_KEY_ID,
+    a site's settings (``SITE_*``). ``aws``: its key id and secret (the made-up ones,
+    or the test S3 server's where the agent uses a store)."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID=aws[0], AWS_SECRET_ACCESS_KEY=aws[1],
                HYPERMESH_ETCD_PASSWORD=ETCD_PASSWORD, PATH=path or os.environ["PATH"],
                SITE_SCRATCH="/scratch")
     proc = AgentProcess(name, mesh.etcd.url, mesh.namespace, mesh.root / name, slots=slots,
