@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -217,6 +218,7 @@ class Attempts:
             HM_TASK_INDEX=str(ref.index),
             HM_ATTEMPT=str(attempt),
             HM_NODE=self.name,
+            HM_PYTHON=sys.executable,  # the agent's own interpreter, with hypermesh in it
             HM_ATTEMPT_DIR=folder,
             HM_METRICS_FILE=metrics_file(folder),
         )

@@ -45,12 +45,15 @@ PROBE_S = 2.0  # how long the HTTPS probe of a node's dashboard waits
 
 
 def notebook_recipe(
-    name: str, python: str, pools: tuple[str, ...], data: tuple[str, ...],
+    name: str, python: str | None, pools: tuple[str, ...], data: tuple[str, ...],
     hardware: dict[str, object], timeout: str | None, token: str, workdir: Path,
 ) -> Recipe:
     """The notebook's recipe, checked as any submitted recipe is."""
+    # Without --python: the node's agent's own interpreter ($HM_PYTHON), which has
+    # hypermesh (and, with the notebook extra, jupyterlab) installed.
+    interpreter = shlex.quote(python) if python else '"${HM_PYTHON:-python3}"'
     exp: dict[str, object] = {
-        "command": [f"{shlex.quote(python)} -m {TASK_MODULE}"],
+        "command": [f"{interpreter} -m {TASK_MODULE}"],
         "env": {"JUPYTER_TOKEN": token},
     }
     if pools:
@@ -134,8 +137,9 @@ async def _wait_ready(mesh: Mesh, wid: str, deadline: float) -> tuple[str, int, 
 @click.option("--memory", default=None, metavar="SIZE", help="Memory the node must have.")
 @click.option("--timeout", default=None, metavar="DURATION",
               help="Stop the notebook after this long (e.g. 8h) [default: never].")
-@click.option("--python", default="python3", show_default=True, metavar="PATH",
-              help="The node's interpreter with jupyterlab and hypermesh installed.")
+@click.option("--python", default=None, metavar="PATH",
+              help="The node's interpreter with jupyterlab and hypermesh installed "
+              "[default: the node's agent's own, $HM_PYTHON].")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="Jupyter's root folder on the node [default: the current folder].")
 @click.option("--name", default="notebook", show_default=True, help="Workflow name.")
@@ -148,7 +152,7 @@ async def _wait_ready(mesh: Mesh, wid: str, deadline: float) -> tuple[str, int, 
 async def notebook(
     mesh: Mesh, pools: tuple[str, ...], data: tuple[str, ...], gpus: float | None,
     gpu_type: str | None, cpus: float | None, memory: str | None, timeout: str | None,
-    python: str, workdir: Path | None, name: str, wait_s: float, as_json: bool,
+    python: str | None, workdir: Path | None, name: str, wait_s: float, as_json: bool,
 ) -> None:
     """Run JupyterLab as a task on a node that fits; print its URL and token.
 

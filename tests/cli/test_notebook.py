@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import sys
 import uuid
 from pathlib import Path
 
@@ -102,8 +101,9 @@ def test_a_notebook_runs_as_a_task_behind_the_dashboard_and_stops_with_cancel(
     mesh: Mesh, tmp_path: Path
 ) -> None:
     agent, tls, cli_tls = guarded_agent(mesh, tmp_path)
-    result = mesh.hm("notebook", "--python", sys.executable, "--workdir", str(tmp_path),
-                     "--wait", "40", "--json", timeout=60)
+    # No --python: the task runs in its agent's own interpreter ($HM_PYTHON).
+    result = mesh.hm("notebook", "--workdir", str(tmp_path), "--wait", "40", "--json",
+                     timeout=60)
     assert result.returncode == 0, result.stderr + mesh.logs()
     out = json.loads(result.stdout)
     wid, task, token = out["workflow"], out["task"], out["token"]
