@@ -15,7 +15,7 @@ from pathlib import Path
 from hypermesh.local.agents import AgentProcess, mesh_agents, stop_all
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.local.pki import CLI_USER, LocalPki
-from hypermesh.local.processes import unmount_under
+from hypermesh.local.processes import stop_started_under, unmount_under
 from hypermesh.local.s3server import S3Server
 
 MESH_BUCKET = "hypermesh"  # the local mesh's bucket on its own S3 server
@@ -99,14 +99,19 @@ class LocalMesh:
         return env
 
     def close(self) -> None:
-        for agent in self.agents:
-            agent.terminate(timeout=15)
-        # Agents a leader started to burst (local provisioner) go with the mesh.
-        stop_all(mesh_agents(self.etcd.url, self.namespace), timeout=15)
-        unmount_under(self.root)
-        self.etcd.stop()
-        if self.s3 is not None:
-            self.s3.stop()
+        try:
+            for agent in self.agents:
+                agent.terminate(timeout=15)
+            # Agents a leader started to burst (local provisioner) go with the mesh.
+            stop_all(mesh_agents(self.etcd.url, self.namespace), timeout=15)
+            unmount_under(self.root)
+        finally:
+            self.etcd.stop()
+            if self.s3 is not None:
+                self.s3.stop()
+            # What a start cut short by Ctrl-C or SIGTERM left unrecorded (an etcd whose
+            # Popen was interrupted under load): every process naming a path under ROOT.
+            stop_started_under(self.root, timeout=10)
 
     def __enter__(self) -> LocalMesh:
         return self.start()

@@ -66,3 +66,34 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def stop_started_under(root: Path, timeout: float) -> list[int]:
+    """SIGTERM every live process whose command line names a path under ``root`` (an etcd's
+    data directory, an agent's work directory...), other than this one and its parents,
+    wait up to ``timeout`` seconds, then
+    SIGKILL what is left; their pids. This finds what a start interrupted by a signal left
+    unrecorded: a child that ``subprocess.Popen`` had started when the interrupt was raised
+    inside it, before it could return the child to anyone."""
+    import psutil  # only here: the servers' own helpers need the standard library alone
+
+    prefix = str(Path(root).resolve())
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}  # this process names ROOT itself
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.pid in spared:
+            continue
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+            prefix in arg for arg in proc.info["cmdline"] or []
+        ):
+            found.append(proc)
+    for proc in found:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(found, timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+    return [p.pid for p in found]

@@ -75,4 +75,8 @@ def test_sigterm_stops_the_local_mesh_and_everything_it_started(
                                      marker, root)
     assert returncode == code, err
     assert err.rstrip().endswith(last) and "Traceback" not in err, err
-    wait_for(lambda: not _started_under(root), 10, "every process of the mesh to end")
+    try:
+        wait_for(lambda: not _started_under(root), 30, "every process of the mesh to end")
+    except TimeoutError:
+        left = [" ".join(p.info["cmdline"] or []) for p in _started_under(root)]
+        raise AssertionError(f"still running 30 s after the mesh exited: {left}\n{err}") from None
