@@ -125,8 +125,14 @@ def test_leader_host_cut_off(three: NetMesh) -> None:
     assert r.state == "succeeded", r.state
     assert not r.lost and not r.doubled, (r.lost, r.doubled)
     assert r.elected is not None and r.elected <= LEADER_TTL + 1, (r.elected, r.seen)
+    # `nodes` names the new leader, and no call that started a second after the election
+    # names another. How long one call takes while the cut leader is still listed (the CLI
+    # waits for its answers: 6-8 s quiet, 12 s beside the rest of the suite) is printed
+    # above and measured by scripts/bench_partition.py, not asserted here.
     shown = next((p for p in r.polls if p[2] == r.new), None)
-    assert shown is not None and shown[1] <= LEADER_TTL + 1 + 3.5, r.polls  # CLI's own waits
+    assert shown is not None, r.polls
+    stale = [p for p in r.polls if p[0] >= r.elected + 1.0 and p[2] != r.new]
+    assert not stale, r.polls
     # Cut off, it can write nothing; it stopped leading before the heal let it write
     # again: its node lease given up (no leader round runs without it) and its
     # candidacy lapsed, so after the heal it rejoined as a follower.
