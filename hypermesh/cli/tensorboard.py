@@ -17,7 +17,6 @@ and warns then.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -36,6 +35,7 @@ import click
 from hypermesh.cli.common import Mesh, err, load_view, mesh_options, print_json, run_async
 from hypermesh.errors import HypermeshError, UsageError
 from hypermesh.exposure import is_loopback
+from hypermesh.local.processes import stop_processes
 from hypermesh.state.view import MeshView
 from hypermesh.task_outputs import STORE_PREFIX, WORKDIR_FOLDER, store_prefix
 
@@ -184,14 +184,7 @@ def _children_stop(timeout: float = 5.0) -> None:
     """Stop the processes this one started (TensorBoard's data server), by pid."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=timeout)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+    stop_processes(psutil.Process().children(recursive=True), timeout)
 
 
 def _launch(logdir: Path, host: str, port: int) -> str:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -88,12 +89,20 @@ def stop_started_under(root: Path, timeout: float) -> list[int]:
             prefix in arg for arg in proc.info["cmdline"] or []
         ):
             found.append(proc)
-    for proc in found:
+    stop_processes(found, timeout)
+    return [p.pid for p in found]
+
+
+def stop_processes(procs: list[Any], timeout: float) -> None:
+    """SIGTERM each of ``procs`` (psutil processes), wait up to ``timeout`` seconds, then
+    SIGKILL what is left and wait for it."""
+    import psutil
+
+    for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-    _, alive = psutil.wait_procs(found, timeout=timeout)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     psutil.wait_procs(alive, timeout=timeout)
-    return [p.pid for p in found]
