@@ -48,11 +48,15 @@ SCENARIOS = ("whole", "etcd", "peers")
 """whole: the host cut off from everything; etcd: from etcd alone (peers and the CLI
 still reach it); peers: from every other agent (etcd and the CLI still reach it)."""
 
+# Each task waits for the file ``go`` before its ``seconds`` start, so that the harness
+# sees all of them running however slowly its CLI calls answer on a loaded machine;
+# a task run again after the cut finds the file there and only sleeps.
 HOLD_RECIPE = """\
 experiments:
   hold:
     samples: {tasks}
-    command: ['echo $$ > "$HM_ATTEMPT_DIR/pid"; exec sleep {seconds}']
+    command: ['echo $$ > "$HM_ATTEMPT_DIR/pid"; while [ ! -e "{go}" ]; do sleep 0.05; done;
+              exec sleep {seconds}']
 """
 
 # A first stage that fills every slot, the leader's too, then a stage the new leader
@@ -218,7 +222,8 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}, not {scenario!r}")
     offsets = {name: _log_size(a.log_path) for name, a in mesh.agents.items()}
-    wid = _submit(mesh, "hold", HOLD_RECIPE.format(tasks=tasks, seconds=seconds))
+    go = mesh.root / f"go-{secrets.token_hex(3)}"
+    wid = _submit(mesh, "hold", HOLD_RECIPE.format(tasks=tasks, seconds=seconds, go=go))
 
     def rows() -> list[dict[str, Any]]:
         return mesh.hm_json("tasks", wid)
@@ -227,8 +232,11 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
         now = rows()
         return now if len(now) == tasks and all(t["state"] == "running" for t in now) else None
 
-    now: list[dict[str, Any]] = wait_for(  # type: ignore[assignment]
-        all_running, 60, f"{tasks} tasks to run", interval=0.3)
+    try:
+        now: list[dict[str, Any]] = wait_for(  # type: ignore[assignment]
+            all_running, 60, f"{tasks} tasks to run", interval=0.3)
+    finally:
+        go.touch()  # also when they never all ran: let the ones that did end
     counts: dict[str, int] = {}
     for t in now:
         counts[str(t["node"])] = counts.get(str(t["node"]), 0) + 1
@@ -482,12 +490,16 @@ def member_round(mesh: NetMesh, *, tasks: int = 12, seconds: float = 2, running:
     member: str = wait_for(mesh.etcd_leader, 20, "etcd to name its leader")  # type: ignore[assignment]
     result = MemberResult(member)
     offsets = {n: _log_size(a.log_path) for n, a in mesh.agents.items()}
-    wid = _submit(mesh, "hold", HOLD_RECIPE.format(tasks=tasks, seconds=seconds))
+    go = mesh.root / f"go-{secrets.token_hex(3)}"
+    wid = _submit(mesh, "hold", HOLD_RECIPE.format(tasks=tasks, seconds=seconds, go=go))
 
     def enough_running() -> bool:
         return sum(t["state"] == "running" for t in mesh.hm_json("tasks", wid)) >= running
 
-    wait_for(enough_running, 30, f"{running} tasks to run", interval=0.3)
+    try:
+        wait_for(enough_running, 30, f"{running} tasks to run", interval=0.3)
+    finally:
+        go.touch()
     cut_at = result.cut_at = time.time()
     mesh.lab.cut_off(member)
     try:
