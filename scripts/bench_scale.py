@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
+import math
 import os
 import re
 import shlex
@@ -70,7 +72,7 @@ from bench_dispatch import (
 )
 
 from hypermesh.local.agents import stop_all
-from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.local.mesh import LocalMesh
 from hypermesh.local.processes import wait_for
 
@@ -111,6 +113,26 @@ def etcd_metrics(url: str) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def etcd_servers(mesh: LocalMesh) -> list[EtcdServer]:
+    """The mesh's etcd members (one, or each of a cluster's)."""
+    etcd = mesh.etcd
+    return list(etcd.members) if isinstance(etcd, EtcdCluster) else [etcd]
+
+
+def cluster_metrics(mesh: LocalMesh) -> dict[str, float]:
+    """:func:`etcd_metrics` summed over the mesh's etcd members."""
+    total: dict[str, float] = {}
+    for server in etcd_servers(mesh):
+        for k, v in etcd_metrics(server.url).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def cluster_cpu(mesh: LocalMesh) -> float:
+    """CPU seconds of the mesh's etcd members, summed."""
+    return sum(proc_cpu(s.proc.pid)[0] for s in etcd_servers(mesh) if s.proc is not None)
 
 
 def metric(series: dict[str, float], name: str, method: str | None = None) -> float:
@@ -206,6 +228,45 @@ def tcp_delta(a: dict[tuple[str, str], float], b: dict[tuple[str, str], float]) 
 # ---------------------------------------------------------------- mesh
 
 
+def slot_gaps(rows: list[dict[str, Any]], slots: int) -> list[float]:
+    """Seconds each slot stood free before its next attempt started, over every node:
+    the claim latency a task meets while the backlog lasts (a trivial task's slot is
+    free again at once, so the gap is what the claim path costs). Per node the attempts
+    are taken in start order and each is given the slot that freed first; a slot's first
+    attempt has no gap."""
+    by_node: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        for a in row["attempts"]:
+            if a.get("started_at") and a.get("ended_at"):
+                by_node.setdefault(str(a["node"]), []).append(
+                    (float(a["started_at"]), float(a["ended_at"])))
+    gaps: list[float] = []
+    for spans in by_node.values():
+        free: list[float] = []  # a heap of the times busy slots free up
+        for start, end in sorted(spans):
+            if len(free) >= slots:
+                gaps.append(max(0.0, start - heapq.heappop(free)))
+            heapq.heappush(free, end)
+    return gaps
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank) of ``values``; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def lease_losses(mesh: LocalMesh) -> int:
+    """Lease losses the agents logged (``lost lease``): the churn of an overloaded mesh."""
+    lost = 0
+    for a in mesh.agents:
+        with contextlib.suppress(OSError):
+            lost += a.log_path.read_text(errors="replace").count(" lost lease ")
+    return lost
+
+
 @dataclass
 class MeshResult:
     """One ``mesh`` round. CPU in seconds, figures per task derived in ``per_task``."""
@@ -227,6 +288,10 @@ class MeshResult:
     idle_etcd: EtcdDelta | None = None
     idle_gossip_bytes: float | None = None
     idle_rss_mb: list[float] = field(default_factory=list)
+    gap_p50_s: float = float("nan")  # slot gaps (claim latency), see slot_gaps
+    gap_p99_s: float = float("nan")
+    gap_max_s: float = float("nan")
+    leases_lost: int = 0  # during the run and its idle phase, summed over the agents
 
     def per_task(self) -> dict[str, float]:
         t = self.tasks
@@ -247,6 +312,10 @@ class MeshResult:
             "txns": self.etcd.txns / t,
             "write_rpcs": self.etcd.write_rpcs / t,
             "range_rpcs": self.etcd.range_rpcs / t,
+            "gap_p50_ms": 1e3 * self.gap_p50_s,
+            "gap_p99_ms": 1e3 * self.gap_p99_s,
+            "gap_max_ms": 1e3 * self.gap_max_s,
+            "leases_lost": float(self.leases_lost),
         }
 
     def idle(self) -> dict[str, float | None]:
@@ -295,7 +364,7 @@ def run_mesh(args: argparse.Namespace, log: Any) -> MeshResult:
         recipe = root / "scale.yaml"
         recipe.write_text(recipe_text(args.tasks))
         mesh = LocalMesh(root / "mesh", agents=args.agents, slots=args.slots, fsync=False,
-                         agent_args=["--preset", args.preset])
+                         agent_args=["--preset", args.preset], etcd_members=args.etcd_members)
         started = time.perf_counter()
         try:
             mesh.start()
@@ -322,21 +391,19 @@ def _measure_mesh(
 ) -> MeshResult:
     names = [a.name for a in mesh.agents]
     pids = [a.proc.pid if a.proc else -1 for a in mesh.agents]
-    etcd_pid = mesh.etcd.proc.pid if mesh.etcd.proc else -1
-    url = mesh.etcd.url
     leader = _leader_name(env)
 
     def cpu() -> list[tuple[float, float]]:
         return [proc_cpu(pid) for pid in pids]
 
-    m0, a0, e0, c0 = etcd_metrics(url), cpu(), proc_cpu(etcd_pid), children_cpu()
+    m0, a0, e0, c0 = cluster_metrics(mesh), cpu(), cluster_cpu(mesh), children_cpu()
     start = time.perf_counter()
     try:
         done = _cli(["submit", str(recipe), "--wait"], env, SUBMIT_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         raise BenchError(f"submit --wait ran past {SUBMIT_TIMEOUT_S:g}s") from exc
     wall = time.perf_counter() - start
-    a1, e1, c1, m1 = cpu(), proc_cpu(etcd_pid), children_cpu(), etcd_metrics(url)
+    a1, e1, c1, m1 = cpu(), cluster_cpu(mesh), children_cpu(), cluster_metrics(mesh)
     if done.returncode != 0:
         raise BenchError(f"submit --wait exited {done.returncode}: {done.stderr[-2000:]}\n"
                          f"agent log tail:\n{mesh.agents[0].log_tail()}")
@@ -347,23 +414,28 @@ def _measure_mesh(
         listed = _cli(["tasks", wid, "--json"], env, LIST_TIMEOUT_S)
         if listed.returncode != 0:
             raise BenchError(f"tasks {wid} --json exited {listed.returncode}: {listed.stderr}")
-        span = agent_span(json.loads(listed.stdout), args.tasks)
+        listing = json.loads(listed.stdout)
+        span = agent_span(listing, args.tasks)
+        gaps = slot_gaps(listing, args.slots)
     except subprocess.TimeoutExpired:
         print(f"  `tasks {wid} --json` timed out: agent-side span not measured "
               "(submit --wait did report success)", file=log, flush=True)
-        span = float("nan")
+        span, gaps = float("nan"), []
     own = [b[0] - a[0] for a, b in zip(a0, a1, strict=True)]
     result = MeshResult(
         agents=args.agents, slots=args.slots, tasks=args.tasks, wall_s=wall,
         agent_span_s=span, agents_cpu_s=sum(own),
         leader_cpu_s=sum(c for n, c in zip(names, own, strict=True) if n == leader),
         tasks_cpu_s=sum(b[1] - a[1] for a, b in zip(a0, a1, strict=True)),
-        etcd_cpu_s=e1[0] - e0[0], cli_cpu_s=c1 - c0, etcd=EtcdDelta.between(m0, m1),
+        etcd_cpu_s=e1 - e0, cli_cpu_s=c1 - c0, etcd=EtcdDelta.between(m0, m1),
+        gap_p50_s=quantile(gaps, 0.5), gap_p99_s=quantile(gaps, 0.99),
+        gap_max_s=max(gaps, default=float("nan")),
     )
     print(f"  per task: {json.dumps({k: round(v, 4) for k, v in result.per_task().items()})}",
           file=log, flush=True)
     if args.idle_seconds > 0:
         _measure_idle(args, mesh, result, log)
+    result.leases_lost = lease_losses(mesh)
     return result
 
 
@@ -373,14 +445,13 @@ def _measure_idle(args: argparse.Namespace, mesh: LocalMesh, result: MeshResult,
           file=log, flush=True)
     time.sleep(args.settle)
     pids = [a.proc.pid if a.proc else -1 for a in mesh.agents]
-    etcd_pid = mesh.etcd.proc.pid if mesh.etcd.proc else -1
     ports = {int(a.address.rpartition(":")[2]) for a in mesh.agents if a.address}
     t0 = time.perf_counter()
-    m0, e0, g0 = etcd_metrics(mesh.etcd.url), proc_cpu(etcd_pid)[0], tcp_bytes_by_local_port(ports)
+    m0, e0, g0 = cluster_metrics(mesh), cluster_cpu(mesh), tcp_bytes_by_local_port(ports)
     a0 = [proc_cpu(pid)[0] for pid in pids]
     time.sleep(args.idle_seconds)
     a1 = [proc_cpu(pid)[0] for pid in pids]
-    m1, e1, g1 = etcd_metrics(mesh.etcd.url), proc_cpu(etcd_pid)[0], tcp_bytes_by_local_port(ports)
+    m1, e1, g1 = cluster_metrics(mesh), cluster_cpu(mesh), tcp_bytes_by_local_port(ports)
     secs = time.perf_counter() - t0
     result.idle_s = secs
     result.idle_agent_cpu_pct = [100 * (b - a) / secs for a, b in zip(a0, a1, strict=True)]
@@ -418,6 +489,10 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
         ("etcd mvcc txns", "txns", "{:.2f}"),
         ("etcd Put/Txn/Delete RPCs", "write_rpcs", "{:.2f}"),
         ("etcd Range RPCs", "range_rpcs", "{:.2f}"),
+        ("slot gap p50 (ms)", "gap_p50_ms", "{:.1f}"),
+        ("slot gap p99 (ms)", "gap_p99_ms", "{:.1f}"),
+        ("slot gap max (ms)", "gap_max_ms", "{:.1f}"),
+        ("leases lost (per round)", "leases_lost", "{:.0f}"),
     ]
     for label, key, fmt in rows:
         print(f"  {label:<32}{fmt.format(med[key]):>14}", file=log)
@@ -612,6 +687,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds to wait before the run and before the idle phase [5]")
     m.add_argument("--preset", choices=("lan", "local"), default="lan",
                    help="the agents' timing preset [lan]")
+    m.add_argument("--etcd-members", type=int, default=1,
+                   help="etcd members: 1, or a cluster of 3 or 5 on loopback [1]")
     m.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     w = sub.add_parser("watchers", help="etcd alone: watch fan-out to W watchers")
     w.add_argument("--watchers", type=int, required=True)

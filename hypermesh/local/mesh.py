@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hypermesh.local.agents import AgentProcess, mesh_agents, stop_all
-from hypermesh.local.etcd import EtcdServer
+from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.local.pki import CLI_USER, LocalPki
 from hypermesh.local.processes import stop_started_under, unmount_under
 from hypermesh.local.s3server import S3Server
@@ -35,10 +35,15 @@ class LocalMesh:
         agent_args: Sequence[str] = (),
         s3: bool = False,
         tls: bool = False,
+        etcd_members: int = 1,
     ) -> None:
         self.root = Path(root)
         self.namespace = namespace
-        self.etcd = EtcdServer(self.root / "etcd", fsync=fsync)
+        # One etcd, or (etcd_members > 1) a cluster of that many members on loopback,
+        # every agent and the CLI given all of their client URLs.
+        self.etcd: EtcdServer | EtcdCluster = (
+            EtcdCluster(self.root / "etcd", etcd_members, fsync=fsync) if etcd_members > 1
+            else EtcdServer(self.root / "etcd", fsync=fsync))
         self.agent_count = agents
         self.slots = slots
         self.agent_args = list(agent_args)
