@@ -3,6 +3,8 @@
 
     bench_gossip_sim.py [--sizes 1000,10000] [--seeds 3] [--small-seeds 20]
                         [--loss-nodes 1000] [--loss-periods 1000] [--json]
+    bench_gossip_sim.py --cost [--cost-sizes 16,64,256,1024] [--cost-periods 240]
+                        [--cost-rows 64,10000000] [--json]
 
 Everything runs in ``agent/gossip/simnet.py`` on a virtual clock: one-way latency
 uniform in 0.5-2 ms, every member ticked exactly when it asks. Times are in
@@ -29,6 +31,15 @@ separators), per member per period: quiet (pings and acks only), while the
 scenarios above run, and under loss.
 
 Medians over seeds, with every sample in ``--json``.
+
+``--cost`` (issue 23) runs instead: for each mesh size and each ``push_pull_rows``
+(10000000: whole tables, the behaviour before the bound), every member starting
+with the meta below (so rows are as large as real agents'), the bytes and messages
+each member sends per second over ``--cost-periods`` quiet periods after 10 to
+settle (median and largest over members; ping, ack and push-pull traffic), and the
+largest push-pull message; then seconds until every member knows a silent crash
+dead, and, for a new member joining through one seed, seconds until it holds the
+whole table and until every member knows it alive.
 """
 
 from __future__ import annotations
@@ -162,6 +173,85 @@ def loss_run(n: int, periods: int, seed: int, cfg: GossipConfig) -> dict[str, An
     }
 
 
+def cost(n: int, rows: int, periods: int, seed: int = 1) -> dict[str, Any]:
+    """Bytes and messages per member per second in a quiet mesh of ``n``, then a
+    silent crash and a join (see ``--cost``)."""
+    wall = time.perf_counter()
+    cfg = GossipConfig.lan(push_pull_rows=rows)
+    net = SimNet(n, cfg, seed=seed, measure_bytes=True, meta=META)
+    net.run_periods(10)
+    sent, sent_bytes, start = list(net.stats.sent), list(net.stats.sent_bytes), net.now
+    net.run_periods(periods)
+    seconds = net.now - start
+    per_s = [(b - a) / seconds for a, b in zip(sent_bytes, net.stats.sent_bytes, strict=True)]
+    msgs = [(b - a) / seconds for a, b in zip(sent, net.stats.sent, strict=True)]
+    out: dict[str, Any] = {
+        "n": n,
+        "rows": rows,
+        "bytes_per_s": statistics.median(per_s),
+        "bytes_per_s_max": max(per_s),
+        "messages_per_s": statistics.median(msgs),
+        "largest_push_pull": max(
+            net.stats.largest["push_pull"], net.stats.largest["push_pull_reply"]
+        ),
+    }
+    victim = net.names[2]
+    dead = net.watch(victim).states.setdefault("dead", {})
+    crash = net.now
+    net.crash(victim)
+    run_until_seen(net, dead, n - 1, 120, step=1.0)
+    out["death_all_s"] = max(dead.values()) - crash if len(dead) == n - 1 else None
+    net.run_periods(10)
+    start = net.now
+    joiner = net.add([net.names[0]])
+    node = net.nodes[net.index[joiner]]
+    alive = net.watch(joiner).states.setdefault("alive", {})
+    others = len(net.up()) - 1
+    whole = None
+    while net.now - start < 120 and (whole is None or len(alive) < others):
+        net.run_until(net.now + 0.01 if whole is None else net.now + 0.25)
+        if whole is None and node.live_count() == others + 1:
+            whole = net.now - start
+    out["join_whole_table_s"] = whole
+    out["join_known_all_s"] = max(alive.values()) - start if len(alive) >= others else None
+    out["wall_s"] = time.perf_counter() - wall
+    return out
+
+
+def cost_report(opts: argparse.Namespace) -> int:
+    sizes = [int(s) for s in opts.cost_sizes.split(",") if s]
+    rows_list = [int(s) for s in opts.cost_rows.split(",") if s]
+    results = []
+    for rows in rows_list:
+        for n in sizes:
+            row = cost(n, rows, opts.cost_periods)
+            results.append(row)
+            print(f"# {row}", file=sys.stderr, flush=True)
+    if opts.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    cfg = GossipConfig.lan()
+    print(
+        f"lan preset (period {cfg.protocol_period} s, push-pull interval "
+        f"{cfg.push_pull_interval} s), simulated; {opts.cost_periods} quiet periods measured"
+    )
+    print()
+    print(
+        "| push_pull_rows | members | B/member/s median | max | messages/member/s | "
+        "largest push-pull (B) | crash known everywhere (s) | joiner has table (s) | "
+        "joiner known everywhere (s) |"
+    )
+    print("| ---: " * 9 + "|")
+    for r in results:
+        print(
+            f"| {r['rows']} | {r['n']} | {r['bytes_per_s']:.0f} | {r['bytes_per_s_max']:.0f} | "
+            f"{r['messages_per_s']:.2f} | {r['largest_push_pull']} | "
+            f"{fmt(r['death_all_s'])} | {fmt(r['join_whole_table_s'], 2)} | "
+            f"{fmt(r['join_known_all_s'])} |"
+        )
+    return 0
+
+
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -181,7 +271,13 @@ def main() -> int:
     parser.add_argument("--loss-nodes", type=int, default=1000)
     parser.add_argument("--loss-periods", type=int, default=1000, help="0 skips the loss run")
     parser.add_argument("--json", action="store_true", help="print every sample as JSON")
+    parser.add_argument("--cost", action="store_true", help="gossip cost per member (issue 23)")
+    parser.add_argument("--cost-sizes", default="16,64,256,1024")
+    parser.add_argument("--cost-periods", type=int, default=240)
+    parser.add_argument("--cost-rows", default="64,10000000", help="push_pull_rows values")
     opts = parser.parse_args()
+    if opts.cost:
+        return cost_report(opts)
     cfg = GossipConfig.lan()
     sizes = [int(s) for s in opts.sizes.split(",") if s]
     report: dict[str, Any] = {

@@ -109,7 +109,12 @@ KINDS = ("ping", "ack", "nack", "ping_req", "push_pull", "push_pull_reply", "gos
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One one-way protocol message. ``refused`` marks a nack whose target refused."""
+    """One one-way protocol message. ``refused`` marks a nack whose target refused.
+
+    ``page`` pages a joining member through a table (see
+    :mod:`~hypermesh.agent.gossip.antientropy`): on a push-pull request, 1 + the
+    table position to send rows from (0: an ordinary exchange); on its reply, 1 +
+    the position the next page starts at (0: no more pages)."""
 
     kind: str
     sender: str
@@ -120,6 +125,7 @@ class Message:
     updates: tuple[Update, ...] = ()
     table: tuple[Update, ...] = ()
     refused: bool = False
+    page: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A compact JSON-able dict; fields at their defaults are left out."""
@@ -136,6 +142,8 @@ class Message:
             out["tb"] = [u.to_wire() for u in self.table]
         if self.refused:
             out["r"] = 1
+        if self.page:
+            out["pg"] = self.page
         return out
 
     @classmethod
@@ -144,12 +152,12 @@ class Message:
 
         The message itself must be well formed: a known kind, a sender that is a node
         name at a host:port address, a target (when given) likewise, a sequence
-        number in ``0 .. 2**63 - 1``. Its rows (updates and table) are checked one by
-        one (:meth:`Update.from_wire`): with ``bad_rows``, a malformed row is left
-        out and its error appended there, and the rest of the message still counts
-        (a row is one member's news, and a sender that relays a row another version
-        of the agent accepts must not have its pings refused); without it, one
-        malformed row fails the whole message.
+        number and a page in ``0 .. 2**63 - 1``. Its rows (updates and table) are
+        checked one by one (:meth:`Update.from_wire`): with ``bad_rows``, a malformed
+        row is left out and its error appended there, and the rest of the message
+        still counts (a row is one member's news, and a sender that relays a row
+        another version of the agent accepts must not have its pings refused);
+        without it, one malformed row fails the whole message.
         """
         if not isinstance(data, dict):
             raise ValueError(f"a message is an object, got {type(data).__name__}")
@@ -165,6 +173,7 @@ class Message:
         if target_addr != "":
             check_address(target_addr, "the target's address")
         seq = check_counter(data.get("q", 0), "seq")
+        page = check_counter(data.get("pg", 0), "page")
         rows = {key: data.get(key, []) for key in ("u", "tb")}
         if not all(isinstance(v, list) for v in rows.values()):
             raise ValueError("updates and table must be lists")
@@ -178,6 +187,7 @@ class Message:
             updates=_rows(rows["u"], bad_rows),
             table=_rows(rows["tb"], bad_rows),
             refused=data.get("r", 0) == 1,
+            page=page,
         )
 
 

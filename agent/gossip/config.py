@@ -108,11 +108,26 @@ class GossipConfig:
     bursts (joins, partitions, loss), larger messages (an update is 40-200 bytes)."""
 
     push_pull_interval: float = 30.0
-    """Seconds between full member-table exchanges with one random member (0: never).
+    """Seconds between member-table exchanges (push-pull) with one random member (0: never).
 
-    Scaled up with the mesh size (see ``suspicion.push_pull_period``). Repairs
-    anything gossip lost; each exchange costs two messages of the size of the
-    whole table."""
+    Scaled up with the rows an exchange carries, ``min(N, push_pull_rows)``, not
+    with N (see ``suspicion.push_pull_period``): 30 s up to 32 members, 60 s from
+    33 on with the default 64 rows. Repairs anything gossip lost; each exchange
+    costs two messages of up to ``push_pull_rows`` rows each."""
+
+    push_pull_rows: int = 64
+    """Most member rows one push-pull message carries (request or reply), the sender's
+    own row included.
+
+    What keeps gossip's cost per member independent of N: a mesh of up to this many
+    members exchanges its whole table, as before; a larger one sends the rows that
+    changed membership most recently, then the next rows of a cursor that walks the
+    table, so every row goes out within about ``N / (push_pull_rows / 2)`` exchanges
+    (see :mod:`~hypermesh.agent.gossip.antientropy`). A joining member pages through
+    its seed's table in messages of this many rows. Larger: anti-entropy sweeps the
+    table faster, each exchange is bigger (a row is 40-200 bytes, up to
+    ``max_meta_bytes`` more with meta); at least ``max_members``: whole tables, as
+    memberlist sends them."""
 
     awareness_max: int = 8
     """Highest Lifeguard local-health score (0: local health is not tracked).
@@ -178,6 +193,7 @@ class GossipConfig:
         _check_range("gossip_fanout", self.gossip_fanout, 0, 64, integer=True)
         _check_range("max_piggyback", self.max_piggyback, 1, 1024, integer=True)
         _check_range("push_pull_interval", self.push_pull_interval, 0.0, 86400.0)
+        _check_range("push_pull_rows", self.push_pull_rows, 4, 10_000_000, integer=True)
         _check_range("awareness_max", self.awareness_max, 0, 64, integer=True)
         _check_range("late_tick_threshold", self.late_tick_threshold, 0.001, 3600.0)
         quorum_max = 1 + self.indirect_checks

@@ -9,9 +9,11 @@ suspect or dead; :func:`merge_table` takes a push-pull table.
 
 Spreading: every message carries queued updates (:func:`piggyback`,
 :func:`message`, :func:`ping`), a gossip round sends them to a few random
-members besides (:func:`gossip_round`), and whole tables are exchanged by
-push-pull: periodically with a random member, now and then with a dead one (to
-heal a partition), and with a seed on joining (:func:`join`). News of this
+members besides (:func:`gossip_round`), and tables are exchanged by push-pull:
+periodically with a random member, now and then with a dead one (to heal a
+partition), and with a seed on joining (:func:`join`), page by page. Which rows
+an exchange carries, at most ``cfg.push_pull_rows`` however large the mesh, is
+:mod:`~hypermesh.agent.gossip.antientropy`'s choice. News of this
 member itself starts here too: new meta (:func:`publish_meta`) and leaving
 (:func:`leave`).
 
@@ -37,6 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from hypermesh.agent.gossip import antientropy
 from hypermesh.agent.gossip.broadcast import (
     ALIVE,
     DEAD,
@@ -238,19 +241,48 @@ def merge_table(s: SwimState, msg: Message, now: float) -> None:
 # ---------------------------------------------------------------- push-pull and joining
 
 
+def push_pull_request(s: SwimState, name: str, address: str, page: int = 0) -> Outgoing:
+    """A push-pull request to ``name``: this member's whole table up to
+    ``cfg.push_pull_rows`` members, else that many rows of it (see
+    :mod:`~hypermesh.agent.gossip.antientropy`); asking for ``page`` of its table
+    (see :class:`~hypermesh.agent.gossip.broadcast.Message`), from page 2 on with
+    only this member's own row."""
+    if page > 1:
+        own = s._table.get(s.name)
+        assert own is not None
+        rows: tuple[Update, ...] = (own.as_row(s.name),)
+    else:
+        rows = antientropy.request_rows(s)
+    msg = Message("push_pull", s.name, s.address, table=rows, page=page)
+    return Outgoing(name, address, msg)
+
+
 def on_push_pull(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
-    """A push-pull request: merge the peer's table, answer with ours."""
+    """A push-pull request: merge the peer's rows, answer with ours (the page it asked
+    for, if it asked for one)."""
     merge_table(s, msg, now)
-    reply = Message("push_pull_reply", s.name, s.address, table=s._table_rows())
+    if msg.page:
+        rows, next_page = antientropy.page(s, msg.page - 1)
+    else:
+        rows, next_page = antientropy.reply_rows(s, msg.table), 0
+    reply = Message("push_pull_reply", s.name, s.address, table=rows, page=next_page)
     out.append(Outgoing(msg.sender, msg.sender_addr, reply))
 
 
-def on_push_pull_reply(s: SwimState, msg: Message, now: float) -> None:
-    """The answer to our push-pull: merge it; from the seed we joined through, it
-    completes the join."""
+def on_push_pull_reply(s: SwimState, msg: Message, now: float, out: list[Outgoing]) -> None:
+    """The answer to our push-pull: merge it. From the seed we join through, it is a
+    page of its table: ask for the next one (a later page than the last, and one a
+    table of ``max_members`` can have), or, when there is none, the join is complete."""
     merge_table(s, msg, now)
-    if msg.sender == s._join_target:
-        s._join_pending, s._join_target, s._join_retry_at = [], "", _INF
+    if msg.sender != s._join_target:
+        return
+    if not s._left and s._join_page < msg.page <= s.cfg.max_members + 1:
+        s._join_page = msg.page
+        s._join_retry_at = now + 2 * s.cfg.protocol_period
+        out.append(push_pull_request(s, s._join_target, s._join_addr, page=msg.page))
+        return
+    s._join_pending, s._join_target, s._join_retry_at = [], "", _INF
+    s._join_addr, s._join_page = "", 0
 
 
 def push_pull_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
@@ -259,7 +291,7 @@ def push_pull_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
     for name in s._random_members(1, (s.name,), (ALIVE,)):
         rec = s._table.get(name)
         assert rec is not None
-        out.append(s._push_pull(name, rec.address))
+        out.append(push_pull_request(s, name, rec.address))
 
 
 def reconnect_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
@@ -272,7 +304,7 @@ def reconnect_round(s: SwimState, now: float, out: list[Outgoing]) -> None:
         name = s._rng.choice(list(s._dead))
         rec = s._table.get(name)
         if rec is not None:
-            out.append(s._push_pull(name, rec.address))
+            out.append(push_pull_request(s, name, rec.address))
 
 
 def join(s: SwimState, seeds: Sequence[tuple[str, str]], now: float, out: list[Outgoing]) -> None:
@@ -292,13 +324,14 @@ def join(s: SwimState, seeds: Sequence[tuple[str, str]], now: float, out: list[O
 
 
 def join_next(s: SwimState, now: float, out: list[Outgoing]) -> None:
-    """Push-pull with the next untried seed, if any; retried after two periods."""
-    s._join_target, s._join_retry_at = "", _INF
+    """Push-pull with the next untried seed, if any, asking for the first page of its
+    table; each page is retried with the next seed after two periods without an answer."""
+    s._join_target, s._join_addr, s._join_page, s._join_retry_at = "", "", 0, _INF
     if s._join_pending:
         name, address = s._join_pending.pop()
-        s._join_target = name
+        s._join_target, s._join_addr, s._join_page = name, address, 1
         s._join_retry_at = now + 2 * s.cfg.protocol_period
-        out.append(s._push_pull(name, address))
+        out.append(push_pull_request(s, name, address, page=1))
 
 
 # ---------------------------------------------------------------- news of this member

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, LEFT, SUSPECT, Update
+from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, LEFT, SUSPECT, Update, encode_meta
 
 __all__ = ["MemberView", "Roster", "supersedes"]
 
@@ -94,13 +94,20 @@ class Roster:
 
     A simulation aid: thousands of simulated members can start from one roster
     instead of each holding its own copy of the whole table (each keeps only
-    what changed). A real agent starts without one and joins.
+    what changed). A real agent starts without one and joins. With ``meta``, every
+    member starts with that meta at meta version 1 (rows as large as real ones).
     """
 
-    def __init__(self, members: Sequence[tuple[str, str]], now: float = 0.0) -> None:
+    def __init__(
+        self,
+        members: Sequence[tuple[str, str]],
+        now: float = 0.0,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        version, meta_json = (1, encode_meta(meta)) if meta else (0, "{}")
         self.names: tuple[str, ...] = tuple(name for name, _ in members)
         self.records: dict[str, _Member] = {
-            name: _Member(address, ALIVE, 0, 0, "{}", now) for name, address in members
+            name: _Member(address, ALIVE, 0, version, meta_json, now) for name, address in members
         }
         if len(self.records) != len(self.names):
             raise ValueError("roster names must be unique")

@@ -11,14 +11,16 @@ wait in the member's inbox, like SIGSTOP/SIGCONT; the resumed member then ticks
 late).
 
 Members start from a shared :class:`~hypermesh.agent.gossip.swim.Roster` (everyone
-knows everyone, alive at incarnation 0) or join through a seed. Ten thousand
+knows everyone, alive at incarnation 0) or join through a seed, and more can join
+later (:meth:`SimNet.add`). Ten thousand
 members for tens of protocol periods take about a minute on one core.
 
 Observation: ``deaths`` lists every (time, observer, member) death verdict and
 ``false_deaths`` those about a member that was in fact up (or only paused);
 ``first_refusal`` when each refusing member first refused a message;
 ``watch(member)`` records when each observer first saw each state of it, and
-each meta version.
+each meta version; ``stats`` counts messages (and bytes, when measured) in all and
+by sender.
 """
 
 from __future__ import annotations
@@ -51,13 +53,18 @@ class Watch:
 
 @dataclass
 class SimStats:
-    """Traffic counters. ``bytes`` only when the net measures them."""
+    """Traffic counters. ``bytes``, ``largest`` (bytes of the largest message of each
+    kind) and ``sent_bytes`` only when the net measures them; ``sent`` and
+    ``sent_bytes`` by sender, in the order of ``SimNet.names``."""
 
     messages: int = 0
     delivered: int = 0
     lost: int = 0
     bytes: int = 0
     by_kind: Counter[str] = field(default_factory=Counter)
+    sent: list[int] = field(default_factory=list)
+    sent_bytes: list[int] = field(default_factory=list)
+    largest: Counter[str] = field(default_factory=Counter)
 
 
 class SimNet:
@@ -73,6 +80,7 @@ class SimNet:
         bootstrap: str = "roster",
         measure_bytes: bool = False,
         start: float = 0.0,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         if not 0.0 <= loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {loss}")
@@ -94,7 +102,8 @@ class SimNet:
         self.names = [f"n{i}" for i in range(n)]
         self.index = {name: i for i, name in enumerate(self.names)}
         addresses = [f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7946" for i in range(n)]
-        roster = Roster(list(zip(self.names, addresses, strict=True)), start)
+        self.meta = meta  # every member's meta from the start (and a later one's)
+        roster = Roster(list(zip(self.names, addresses, strict=True)), start, meta)
         use_roster = roster if bootstrap == "roster" else None
         self.nodes = [
             Swim(
@@ -103,11 +112,14 @@ class SimNet:
                 self.cfg,
                 random.Random(seed * 1_000_003 + i),
                 start,
+                meta=meta,
                 roster=use_roster,
             )
             for i, name in enumerate(self.names)
         ]
         self.status = [UP] * n
+        self.stats.sent = [0] * n
+        self.stats.sent_bytes = [0] * n
         self._group = [0] * n
         self._inbox: dict[int, list[tuple[int, Message]]] = {}
         self._heap: list[tuple[float, int, int, int, Any]] = []
@@ -169,6 +181,23 @@ class SimNet:
         self._call(i, self.nodes[i].tick(self.now))
         for src, msg in self._inbox.pop(i, []):
             self._deliver(src, i, msg)
+
+    def add(self, seeds: Iterable[str]) -> str:
+        """A new member, in no roster, that joins now through ``seeds``; its name."""
+        i = len(self.nodes)
+        name = f"n{i}"
+        address = f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:7946"
+        rng = random.Random(self._rng.random())
+        self.names.append(name)
+        self.index[name] = i
+        self.nodes.append(Swim(name, address, self.cfg, rng, self.now, meta=self.meta))
+        self.status.append(UP)
+        self.stats.sent.append(0)
+        self.stats.sent_bytes.append(0)
+        self._group.append(0)
+        self._sched.append(_INF)
+        self._join(i, [(s, self.nodes[self.index[s]].address) for s in seeds])
+        return name
 
     def set_meta(self, name: str, meta: dict[str, Any]) -> None:
         """``name`` publishes new meta now."""
@@ -250,9 +279,14 @@ class SimNet:
         for out in outs:
             stats.messages += 1
             stats.by_kind[out.message.kind] += 1
+            stats.sent[src] += 1
             if self.measure_bytes:
-                text = json.dumps(out.message.to_json(), separators=(",", ":"))
-                stats.bytes += len(text)
+                size = len(json.dumps(out.message.to_json(), separators=(",", ":")))
+                stats.bytes += size
+                stats.sent_bytes[src] += size
+                kind = out.message.kind
+                if size > stats.largest[kind]:
+                    stats.largest[kind] = size
             dst = self.index.get(out.to)
             if dst is None or (self.loss and rng.random() < self.loss):
                 stats.lost += 1

@@ -23,7 +23,12 @@ fields they name):
   (:meth:`~SwimState._hold_suspicion`, :meth:`~SwimState._drop_suspicion`);
 * ``_probing`` maps each member under probe to its one probe in ``_probes``
   (:meth:`~SwimState._end_probe` removes both);
-* the awareness score stays within ``0 .. cfg.awareness_max``.
+* the awareness score stays within ``0 .. cfg.awareness_max``;
+* ``_changed`` holds, oldest first, at most ``cfg.push_pull_rows`` members of the
+  table other than this one whose membership (state, incarnation, address) changed
+  and which push-pull has not yet sent as recent rows ``RECENT_SENDS`` times (see
+  :mod:`~hypermesh.agent.gossip.antientropy`, which alone takes them out, and moves
+  the push-pull cursor ``_pp_cursor``).
 
 Who may change it: the primitives below, and the functions of
 :mod:`~hypermesh.agent.gossip.probe` and
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,8 +53,6 @@ from hypermesh.agent.gossip.broadcast import (
     DEAD,
     LEFT,
     BroadcastQueue,
-    Message,
-    Outgoing,
     Update,
     encode_meta,
 )
@@ -153,7 +157,15 @@ class SwimState:
         self._order = (0, 0, 1, 0)  # position, length, multiplier, offset of the probe pass
         self._join_pending: list[tuple[str, str]] = []
         self._join_target = ""
+        self._join_addr = ""
+        self._join_page = 0  # the page last asked of the join target (0: none)
         self._join_retry_at = _INF
+        # Members whose membership changed lately (oldest first), with the push-pulls
+        # that carried each as a recent row; and where push-pull's sweep goes on.
+        self._changed: dict[str, int] = {}
+        # Members sweep from different places (a hash of the name, not a random draw:
+        # the draws, and so meshes of at most push_pull_rows, stay as they were).
+        self._pp_cursor = zlib.crc32(name.encode())
         self._limit_cache = (-1, 0)
         self._store(name, _Member(address, ALIVE, 0, self._meta_version, self._meta_json, now))
         period = cfg.protocol_period
@@ -181,6 +193,16 @@ class SwimState:
             self._witnessed.pop(name, None)
         if name != self.name and (old is None or old.address != rec.address):
             self._unheard.add(name)
+        if name != self.name and (
+            old is None
+            or old.state != rec.state
+            or old.incarnation != rec.incarnation
+            or old.address != rec.address
+        ):
+            self._changed.pop(name, None)
+            self._changed[name] = 0
+            if len(self._changed) > self.cfg.push_pull_rows:
+                del self._changed[next(iter(self._changed))]
         self._table.set(name, rec)
 
     def _store_self(self, now: float) -> None:
@@ -214,6 +236,7 @@ class SwimState:
         self._witnessed.pop(name, None)
         self._unheard.discard(name)
         self._missed_nacks.pop(name, None)
+        self._changed.pop(name, None)
         self._table.forget(name)
 
     def _make_room(self) -> bool:
@@ -331,7 +354,3 @@ class SwimState:
     def _table_rows(self) -> tuple[Update, ...]:
         return tuple(rec.as_row(name) for name, rec in self._table.items())
 
-    def _push_pull(self, name: str, address: str) -> Outgoing:
-        """A push-pull request to ``name``: this member's whole table."""
-        msg = Message("push_pull", self.name, self.address, table=self._table_rows())
-        return Outgoing(name, address, msg)

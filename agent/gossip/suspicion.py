@@ -77,14 +77,19 @@ def health_scaled(seconds: float, awareness: int) -> float:
 def push_pull_period(n_members: int, cfg: GossipConfig) -> float:
     """Seconds between push-pull exchanges; 0 when turned off.
 
-    ``interval`` up to 32 members, then ``interval * (ceil(log2(N) - log2(32)) + 1)``:
-    each exchange carries the whole table, so a larger mesh exchanges less often
-    and total push-pull traffic grows like N log N, not N^2.
+    With R = ``min(N, push_pull_rows)``, the rows one exchange carries: ``interval``
+    up to R = 32, then ``interval * (ceil(log2(R) - log2(32)) + 1)``. The period
+    grows with the size of an exchange, as memberlist's does with the whole table's,
+    so push-pull bytes per second stay about those of a 32-member mesh; past
+    ``push_pull_rows`` members an exchange no longer grows (see
+    :mod:`~hypermesh.agent.gossip.antientropy`), nor does the period: a member's
+    push-pull cost is then the same at any N.
     """
     base = cfg.push_pull_interval
-    if base <= 0 or n_members <= 32:
+    rows = min(n_members, cfg.push_pull_rows)
+    if base <= 0 or rows <= 32:
         return base
-    return base * (math.ceil(math.log2(n_members) - math.log2(32)) + 1)
+    return base * (math.ceil(math.log2(rows) - math.log2(32)) + 1)
 
 
 @dataclass

@@ -19,7 +19,9 @@ The protocol, per member:
   work, never correctness, and refuting it lets gossip recover at once.
 * Updates (alive/suspect/dead/left, with meta while alive) ride on every
   message; a gossip round sends them to a few random members besides.
-* Every push-pull period, the whole table is exchanged with one random member.
+* Every push-pull period, member tables are exchanged with one random member:
+  whole up to ``push_pull_rows`` members, a bounded share of them beyond
+  (:mod:`~hypermesh.agent.gossip.antientropy`).
 * Local health (Lifeguard awareness) stretches this member's own probe timeout
   and period when its probes fail without nacks, when it must refute a
   suspicion of itself, or when its ticks come late: a slow member accuses later.
@@ -258,7 +260,7 @@ class Swim(SwimState):
         elif kind == "push_pull":
             dissemination.on_push_pull(self, msg, now, out)
         elif kind == "push_pull_reply":
-            dissemination.on_push_pull_reply(self, msg, now)
+            dissemination.on_push_pull_reply(self, msg, now, out)
         probe.heard(self, msg)  # last: a newcomer's own row may have come with it
         return out
 

@@ -61,6 +61,8 @@ def test_describe_lists_every_field() -> None:
         ("gossip_fanout", True, r"gossip_fanout must be an integer"),
         ("max_piggyback", 0, r"max_piggyback must be in \[1, 1024\]"),
         ("push_pull_interval", -1.0, r"push_pull_interval must be in \[0, 86400\]"),
+        ("push_pull_rows", 3, r"push_pull_rows must be in \[4, 1e\+07\]"),
+        ("push_pull_rows", 64.0, r"push_pull_rows must be an integer"),
         ("awareness_max", 65, r"awareness_max must be in \[0, 64\]"),
         ("refused_quorum", 7, r"refused_quorum must be in \[0, 6\]"),
         ("max_meta_bytes", 8, r"max_meta_bytes must be in \[16, 1.04858e\+06\]"),

@@ -17,12 +17,16 @@ def all_see(net: SimNet, member: str, state: str) -> bool:
     return views[state] == sum(views.values())
 
 
-def test_members_joining_through_one_seed_converge() -> None:
+@pytest.mark.parametrize(("rows", "seed", "periods"), [(1000, 3, 2), (64, 3, 8), (64, 12, 8)])
+def test_members_joining_through_one_seed_converge(rows: int, seed: int, periods: int) -> None:
     # All join within one period: gossip alone leaves a few holes (early joiners count few
-    # members, so they retransmit little); push-pull fills them.
-    cfg = GossipConfig.local(push_pull_interval=0.5)
-    net = SimNet(120, cfg, seed=3, bootstrap="join")
-    net.run_until(2 * push_pull_period(120, cfg))
+    # members, so they retransmit little); push-pull fills them. Whole tables (rows 1000)
+    # fill them within two push-pull periods; at most 64 rows an exchange, about half the
+    # table, each hole waits for an exchange whose rows happen to hold it: the slowest of
+    # twelve seeds took 5.5 push-pull periods (seed 12).
+    cfg = GossipConfig.local(push_pull_interval=0.5, push_pull_rows=rows)
+    net = SimNet(120, cfg, seed=seed, bootstrap="join")
+    net.run_until(periods * push_pull_period(120, cfg))
     for node in net.nodes:
         assert node.live_count() == 120, node.name
     assert not net.deaths

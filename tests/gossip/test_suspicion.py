@@ -114,20 +114,24 @@ def test_health_scaled(seconds: float, score: int, expected: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("n", "interval", "expected"),
+    ("n", "interval", "rows", "expected"),
     [
-        (1, 30.0, 30.0),
-        (32, 30.0, 30.0),
-        (33, 30.0, 60.0),
-        (64, 30.0, 60.0),
-        (65, 30.0, 90.0),
-        (1000, 30.0, 180.0),
-        (10_000, 30.0, 300.0),
-        (10_000, 0.0, 0.0),
+        (1, 30.0, 64, 30.0),
+        (32, 30.0, 64, 30.0),
+        (33, 30.0, 64, 60.0),
+        (64, 30.0, 64, 60.0),
+        (65, 30.0, 64, 60.0),  # past push_pull_rows an exchange no longer grows, nor the period
+        (1000, 30.0, 64, 60.0),
+        (10_000, 30.0, 64, 60.0),
+        (10_000, 0.0, 64, 0.0),
+        (1000, 30.0, 32, 30.0),
+        (65, 30.0, 10_000, 90.0),  # whole tables (rows >= N): grows like log N, as memberlist
+        (1000, 30.0, 10_000, 180.0),
+        (10_000, 30.0, 10_000, 300.0),
     ],
 )
-def test_push_pull_period(n: int, interval: float, expected: float) -> None:
-    cfg = GossipConfig(push_pull_interval=interval)
+def test_push_pull_period(n: int, interval: float, rows: int, expected: float) -> None:
+    cfg = GossipConfig(push_pull_interval=interval, push_pull_rows=rows)
     assert push_pull_period(n, cfg) == pytest.approx(expected)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from hypermesh.agent.gossip.broadcast import Update
 from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.dissemination import push_pull_request
 from hypermesh.agent.gossip.suspicion import lifeguard_timeout, suspicion_bounds
 from hypermesh.agent.gossip.swim import (
     ALIVE,
@@ -488,7 +489,7 @@ def test_push_pull_repairs_a_member_table() -> None:
     )
     a._meta_json, a._meta_version = '{"load":3}', 5
     a._store_self(0.0)
-    wire.deliver("a", [a._push_pull("b", "addr-b")])
+    wire.deliver("a", [push_pull_request(a, "b", "addr-b")])
     x = b.member("x")
     assert x is not None and (x.state, x.incarnation, x.meta) == (ALIVE, 2, {"k": 1})
     assert b.member("a").meta == {"load": 3}  # type: ignore[union-attr]
