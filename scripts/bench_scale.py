@@ -30,6 +30,9 @@ backlog).
     .venv/bin/python scripts/bench_scale.py watchers --watchers 1000 --writes 200
         [--connections 4] [--rate 10] [--json]
 
+Past a few dozen agent processes, ``scripts/bench_scale_inproc.py`` runs hundreds of
+real agents on one event loop in one process (no task processes).
+
 It asserts nothing about speed; it prints a table (and with ``--json`` a JSON summary
 on stdout, the table going to stderr).
 """
