@@ -8,9 +8,11 @@ transaction claims the lot on the node lease (``claim_tasks``). What it won star
 and the watch brings the change. A claim whose transaction may or may not have been
 written (etcd went away during it) is read back later (``agent/claims/unsure.py``).
 
-Read-your-writes: no task is claimed task by task before the mirrored view has caught up
+Read-your-writes: no task or block is claimed before the mirrored view has caught up
 with the newest revision this node wrote, so a task it just finished is never mistaken for
-an open one.
+an open one; nor, after a claim it lost, before the view has reached the revision etcd
+answered that claim at, so that a node whose view lags does not claim the same taken work
+again at every wake-up (each a transaction etcd must refuse).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class Claimer:
             revision = None
             now = time.time()
             try:
-                revision = await claim_tasks(a.etcd, a.ks, plans, a.cfg.name, a.lease, now)
+                revision = await claim_tasks(a.etcd, a.ks, plans, a.cfg.name, a.lease, now,
+                                             refused=self._refused)
             except EtcdUnavailable:
                 a.unsure.tasks(plans, now)  # written or not: read back when etcd is back
                 raise
@@ -151,6 +154,8 @@ class Claimer:
             if start is None:
                 if not blocks.wants_block():
                     return
+                if a.view.revision < a.written_revision:
+                    return  # the watch will bring what we wrote, or what beat our claim
                 bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back)
                 if bref is None or await blocks.claim(bref) is None:
                     return
@@ -158,6 +163,10 @@ class Claimer:
             block, ref, n, started_at = start
             a.attempts.start(Running(ClaimPlan(ref, n), block.fence, 0.0, block=block.ref,
                                      started_at=started_at))
+
+    def _refused(self, revision: int) -> None:
+        """The claim lost at ``revision``: wait for the view to reach it before the next."""
+        self.agent.written_revision = max(self.agent.written_revision, revision)
 
     def _load(self) -> LocalLoad:
         """What this node's attempts, gang seats and claim in flight take now."""

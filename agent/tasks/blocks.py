@@ -179,7 +179,7 @@ class BlockDuty:
         try:
             fence = await claim_block(
                 agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
-                self.batch_key(bref), lost_entries(left, time.time()),
+                self.batch_key(bref), lost_entries(left, time.time()), refused=self._refused,
             )
         except EtcdUnavailable:
             agent.unsure.block(bref)  # written or not: read back when etcd is back
@@ -193,6 +193,12 @@ class BlockDuty:
         lost = f"; {len(left)} attempts of its last holder lost" if left else ""
         agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
         return block
+
+    def _refused(self, revision: int) -> None:
+        """A claim failed at ``revision``: our view is older than that. No claim is tried
+        again before the view has caught up (``written_revision`` gates the claimer), so
+        an agent whose view lags does not try the same stale block at every wake-up."""
+        self.agent.written_revision = max(self.agent.written_revision, revision)
 
     def next_start(self) -> tuple[HeldBlock, TaskRef, int, float] | None:
         """The next task to start in a free slot, its attempt number and start time."""

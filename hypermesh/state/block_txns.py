@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hypermesh.state.blocks import AttemptEntry, Batch
@@ -48,15 +48,19 @@ async def claim_block(
     seen_revision: int,
     batch_key: str,
     lost: Sequence[AttemptEntry] = (),
+    refused: Callable[[int], None] | None = None,
 ) -> int | None:
     """Claim ``bref`` for ``node``; the claim's create revision (the fence of every later
-    batch), or None when someone holds it or wrote a batch the view has not seen."""
+    batch), or None when someone holds it or wrote a batch the view has not seen (then
+    ``refused`` is told the revision etcd answered at)."""
     compare = claimable(etcd, ks, bref, seen_revision)
     claim = {"node": node, "lease": lease, "started_at": time.time()}
     ops = [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)]
     if lost:
         ops.append(etcd.op_put(batch_key, dumps(Batch(node, tuple(lost)).to_json())))
     done = await etcd.txn(compare, ops)
+    if not done.succeeded and refused is not None:
+        refused(done.revision)
     return done.revision if done.succeeded else None
 
 

@@ -15,7 +15,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,9 +287,11 @@ def claim_ops(
 
 
 async def claim_tasks(
-    etcd: Etcd, ks: Keyspace, plans: Sequence[ClaimPlan], node: str, lease: int, now: float
+    etcd: Etcd, ks: Keyspace, plans: Sequence[ClaimPlan], node: str, lease: int, now: float,
+    refused: Callable[[int], None] | None = None,
 ) -> int | None:
-    """Claim every plan in one transaction; the claim revision, or None if any was taken."""
+    """Claim every plan in one transaction; the claim revision, or None if any was taken
+    (then ``refused`` is told the revision etcd answered at: the claimer's view was older)."""
     compare: list[Any] = []
     ops: list[Any] = []
     for p in plans:
@@ -297,6 +299,8 @@ async def claim_tasks(
         compare += more_compare
         ops += more_ops
     done = await etcd.txn(compare, ops)
+    if not done.succeeded and refused is not None:
+        refused(done.revision)
     return done.revision if done.succeeded else None
 
 

@@ -135,3 +135,28 @@ def test_zombie_block_metrics_are_rejected(etcd_server: EtcdServer) -> None:
             assert await value_of(etcd, ks.metrics(ref, 2)) == {"x": [2]}
 
     run(scenario())
+
+
+def test_a_lost_block_claim_tells_the_revision_etcd_answered_at(etcd_server: EtcdServer) -> None:
+    """B's claim of a block A holds fails, and B learns the revision etcd answered at: at
+    least A's fence, so B's claimer waits until its view has seen A's claim before it
+    claims again (a view that lagged used to claim the same taken block at every wake-up:
+    8.5 refused transactions per task at 64 in-process members, 0.51 after)."""
+
+    async def go() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            ks = fresh_keyspace()
+            lease_a, lease_b = await etcd.grant(30), await etcd.grant(30)
+            stale = await seen_now(etcd, ks)
+            fence_a = await claim_block(etcd, ks, BREF, "a", lease_a, stale,
+                                        ks.block_batch(BREF, lease_a, 1))
+            assert fence_a is not None
+            told: list[int] = []
+            assert await claim_block(etcd, ks, BREF, "b", lease_b, stale,
+                                     ks.block_batch(BREF, lease_b, 1), refused=told.append) is None
+            assert len(told) == 1 and told[0] >= fence_a
+            fence_b = await claim_block(etcd, ks, BlockRef("w", "e", 8), "b", lease_b, stale,
+                                        ks.block_batch(BREF, lease_b, 2), refused=told.append)
+            assert fence_b is not None and len(told) == 1  # told only when refused
+
+    run(go())
