@@ -187,6 +187,39 @@ class EtcdDelta:
             keepalives=d("grpc_server_msg_received_total", "LeaseKeepAlive"),
         )
 
+    def per_task(self, tasks: int) -> dict[str, float]:
+        """What etcd did per task of a run, keyed as the harnesses report it."""
+        return {
+            "watch_events": self.events / tasks,
+            "watch_msgs": self.watch_msgs / tasks,
+            "etcd_sent_bytes": self.sent_bytes / tasks,
+            "etcd_received_bytes": self.received_bytes / tasks,
+            "puts": self.puts / tasks,
+            "deletes": self.deletes / tasks,
+            "txns": self.txns / tasks,
+            "write_rpcs": self.write_rpcs / tasks,
+            "range_rpcs": self.range_rpcs / tasks,
+        }
+
+    def per_agent_second(self, agent_seconds: float) -> dict[str, float]:
+        """What etcd did while idle, per agent per second."""
+        return {
+            "mvcc_writes_per_s_per_agent": (self.puts + self.deletes) / agent_seconds,
+            "write_rpcs_per_s_per_agent": self.write_rpcs / agent_seconds,
+            "range_rpcs_per_s_per_agent": self.range_rpcs / agent_seconds,
+            "keepalives_per_s_per_agent": self.keepalives / agent_seconds,
+            "watch_events_per_s_per_agent": self.events / agent_seconds,
+            "etcd_sent_bytes_per_s_per_agent": self.sent_bytes / agent_seconds,
+        }
+
+
+def print_rows(rows: list[tuple[str, str, str]], values: dict[str, Any], out: Any) -> None:
+    """One line per (label, key, format) of ``rows``: the label, then ``values[key]``
+    formatted, or n/a where it is None or missing."""
+    for label, key, fmt in rows:
+        v = values.get(key)
+        print(f"  {label:<32}{'n/a' if v is None else fmt.format(v):>14}", file=out)
+
 
 # ---------------------------------------------------------------- agent-to-agent bytes
 
@@ -306,15 +339,7 @@ class MeshResult:
             "followers_cpu_ms": 1e3 * (self.agents_cpu_s - self.leader_cpu_s) / t,
             "etcd_cpu_ms": 1e3 * self.etcd_cpu_s / t,
             "cli_cpu_ms": 1e3 * self.cli_cpu_s / t,
-            "watch_events": self.etcd.events / t,
-            "watch_msgs": self.etcd.watch_msgs / t,
-            "etcd_sent_bytes": self.etcd.sent_bytes / t,
-            "etcd_received_bytes": self.etcd.received_bytes / t,
-            "puts": self.etcd.puts / t,
-            "deletes": self.etcd.deletes / t,
-            "txns": self.etcd.txns / t,
-            "write_rpcs": self.etcd.write_rpcs / t,
-            "range_rpcs": self.etcd.range_rpcs / t,
+            **self.etcd.per_task(t),
             "gap_p50_ms": 1e3 * self.gap_p50_s,
             "gap_p99_ms": 1e3 * self.gap_p99_s,
             "gap_max_ms": 1e3 * self.gap_max_s,
@@ -331,12 +356,7 @@ class MeshResult:
             "agent_cpu_pct_mean": statistics.fmean(cpu),
             "agent_cpu_pct_max": max(cpu),
             "etcd_cpu_pct": self.idle_etcd_cpu_pct,
-            "mvcc_writes_per_s_per_agent": (self.idle_etcd.puts + self.idle_etcd.deletes) / per,
-            "write_rpcs_per_s_per_agent": self.idle_etcd.write_rpcs / per,
-            "range_rpcs_per_s_per_agent": self.idle_etcd.range_rpcs / per,
-            "keepalives_per_s_per_agent": self.idle_etcd.keepalives / per,
-            "watch_events_per_s_per_agent": self.idle_etcd.events / per,
-            "etcd_sent_bytes_per_s_per_agent": self.idle_etcd.sent_bytes / per,
+            **self.idle_etcd.per_agent_second(per),
             "gossip_bytes_sent_per_s_per_agent": (
                 None if self.idle_gossip_bytes is None else self.idle_gossip_bytes / per),
             "rss_mb_median": statistics.median(self.idle_rss_mb) if self.idle_rss_mb else 0.0,
@@ -497,15 +517,14 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
         ("slot gap max (ms)", "gap_max_ms", "{:.1f}"),
         ("leases lost (per round)", "leases_lost", "{:.0f}"),
     ]
-    for label, key, fmt in rows:
-        print(f"  {label:<32}{fmt.format(med[key]):>14}", file=log)
+    print_rows(rows, med, log)
     idle_med: dict[str, float | None] = {}
     if idle:
         for k in idle[0]:
             vals = [i[k] for i in idle if i[k] is not None]
             idle_med[k] = statistics.median(v for v in vals if v is not None) if vals else None
         print(f"idle ({rounds[-1].idle_s:.0f}s), per agent:", file=log)
-        for label, key, fmt in [
+        print_rows([
             ("CPU, % of a core (median)", "agent_cpu_pct_median", "{:.2f}"),
             ("CPU, % of a core (mean)", "agent_cpu_pct_mean", "{:.2f}"),
             ("CPU, % of a core (max)", "agent_cpu_pct_max", "{:.2f}"),
@@ -517,9 +536,7 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
             ("etcd bytes sent /s", "etcd_sent_bytes_per_s_per_agent", "{:.0f}"),
             ("gossip bytes sent /s", "gossip_bytes_sent_per_s_per_agent", "{:.0f}"),
             ("RSS MB (median)", "rss_mb_median", "{:.1f}"),
-        ]:
-            v = idle_med.get(key)
-            print(f"  {label:<32}{'n/a' if v is None else fmt.format(v):>14}", file=log)
+        ], idle_med, log)
         print(f"  {'etcd CPU, % of a core':<32}{idle_med['etcd_cpu_pct'] or 0:>14.2f}",
               file=log)
     return {

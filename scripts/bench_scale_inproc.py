@@ -69,7 +69,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dispatch import machine, proc_cpu, recipe_text
-from bench_scale import EtcdDelta, etcd_metrics, tcp_bytes_by_local_port, tcp_delta
+from bench_scale import (
+    EtcdDelta,
+    etcd_metrics,
+    print_rows,
+    tcp_bytes_by_local_port,
+    tcp_delta,
+)
 
 from hypermesh.agent import daemon
 from hypermesh.agent.gossip import duty as gossip_duty
@@ -229,14 +235,7 @@ class Result:
             "agents_cpu_ms": 1e3 * self.process_cpu_s / t,
             "etcd_cpu_ms": 1e3 * self.etcd_cpu_s / t,
             "cli_cpu_ms": 1e3 * self.cli_cpu_s / t,
-            "watch_events": e.events / t,
-            "watch_msgs": e.watch_msgs / t,
-            "etcd_sent_bytes": e.sent_bytes / t,
-            "etcd_received_bytes": e.received_bytes / t,
-            "puts": e.puts / t,
-            "txns": e.txns / t,
-            "write_rpcs": e.write_rpcs / t,
-            "range_rpcs": e.range_rpcs / t,
+            **e.per_task(t),
         }
 
     def idle(self) -> dict[str, float | None]:
@@ -248,12 +247,7 @@ class Result:
             "agent_cpu_pct": 100 * self.idle_process_cpu_s / per,
             "process_cpu_pct": 100 * self.idle_process_cpu_s / self.idle_s,
             "etcd_cpu_pct": 100 * self.idle_etcd_cpu_s / self.idle_s,
-            "mvcc_writes_per_s_per_agent": (e.puts + e.deletes) / per,
-            "write_rpcs_per_s_per_agent": e.write_rpcs / per,
-            "range_rpcs_per_s_per_agent": e.range_rpcs / per,
-            "keepalives_per_s_per_agent": e.keepalives / per,
-            "watch_events_per_s_per_agent": e.events / per,
-            "etcd_sent_bytes_per_s_per_agent": e.sent_bytes / per,
+            **e.per_agent_second(per),
             "gossip_bytes_per_s_per_agent": (
                 None if self.idle_gossip_bytes is None else self.idle_gossip_bytes / per),
             "lag_ms_p99": self.idle_lag_ms_p99,
@@ -536,7 +530,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
     print(f"{r.members} members x {r.slots} slots in one process, gossip "
           f"{'on' if r.gossip else 'OFF'}, {r.tasks} tasks; started in {r.start_s:.1f}s", file=out)
     print("per task:", file=out)
-    for label, key, fmt in [
+    print_rows([
         ("tasks/s end to end", "tasks_per_s", "{:.1f}"),
         ("agents' CPU, summed (ms)", "agents_cpu_ms", "{:.3f}"),
         ("etcd CPU (ms)", "etcd_cpu_ms", "{:.3f}"),
@@ -549,8 +543,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
         ("etcd mvcc txns", "txns", "{:.2f}"),
         ("etcd Put/Txn/Delete RPCs", "write_rpcs", "{:.2f}"),
         ("etcd Range RPCs", "range_rpcs", "{:.2f}"),
-    ]:
-        print(f"  {label:<32}{fmt.format(per[key]):>14}", file=out)
+    ], per, out)
     print(f"  {'attempts run (members)':<32}{f'{r.attempts} ({r.members_that_ran})':>14}",
           file=out)
     print(f"  {'most attempts on one member':<32}{r.attempts_per_member_max:>14}", file=out)
@@ -561,7 +554,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
     print(f"  {'threads, peak RSS (MB)':<32}{f'{r.threads}, {r.rss_mb:.0f}':>14}", file=out)
     if idle:
         print(f"idle ({r.idle_s:.0f}s), per member:", file=out)
-        for label, key, fmt in [
+        print_rows([
             ("CPU, % of a core", "agent_cpu_pct", "{:.3f}"),
             ("etcd mvcc writes /s", "mvcc_writes_per_s_per_agent", "{:.4f}"),
             ("etcd Put/Txn/Delete RPCs /s", "write_rpcs_per_s_per_agent", "{:.4f}"),
@@ -570,9 +563,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
             ("etcd watch events /s", "watch_events_per_s_per_agent", "{:.2f}"),
             ("etcd bytes sent /s", "etcd_sent_bytes_per_s_per_agent", "{:.0f}"),
             ("gossip bytes /s (ss)", "gossip_bytes_per_s_per_agent", "{:.0f}"),
-        ]:
-            v = idle.get(key)
-            print(f"  {label:<32}{'n/a' if v is None else fmt.format(v):>14}", file=out)
+        ], idle, out)
         print(f"  {'process CPU, % of a core':<32}{idle['process_cpu_pct'] or 0:>14.1f}",
               file=out)
         print(f"  {'etcd CPU, % of a core':<32}{idle['etcd_cpu_pct'] or 0:>14.1f}", file=out)

@@ -157,7 +157,7 @@ class Claimer:
                 if a.view.revision < a.written_revision:
                     return  # the watch will bring what we wrote, or what beat our claim
                 bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back)
-                if bref is None or await blocks.claim(bref) is None:
+                if bref is None or await blocks.claim(bref, self._refused) is None:
                     return
                 continue
             block, ref, n, started_at = start
@@ -165,7 +165,9 @@ class Claimer:
                                      started_at=started_at))
 
     def _refused(self, revision: int) -> None:
-        """The claim lost at ``revision``: wait for the view to reach it before the next."""
+        """A claim (of tasks or a block) lost at ``revision``: our view is older than
+        that, so the next waits for the view to reach it (``written_revision`` gates
+        both kinds of claim)."""
         self.agent.written_revision = max(self.agent.written_revision, revision)
 
     def _load(self) -> LocalLoad:

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -154,8 +154,11 @@ class BlockDuty:
         self._seq += 1
         return self.agent.ks.block_batch(bref, self.agent.lease, self._seq)
 
-    async def claim(self, bref: BlockRef) -> HeldBlock | None:
-        """Claim ``bref`` (closing attempts its last holder left running as lost)."""
+    async def claim(
+        self, bref: BlockRef, refused: Callable[[int], None] | None = None
+    ) -> HeldBlock | None:
+        """Claim ``bref`` (closing attempts its last holder left running as lost);
+        ``refused`` is told the revision etcd answered a lost claim at."""
         agent, view = self.agent, self.agent.view
         view.settle(bref)  # every outcome recorded so far, and the attempts left running
         exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
@@ -179,7 +182,7 @@ class BlockDuty:
         try:
             fence = await claim_block(
                 agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
-                self.batch_key(bref), lost_entries(left, time.time()), refused=self._refused,
+                self.batch_key(bref), lost_entries(left, time.time()), refused=refused,
             )
         except EtcdUnavailable:
             agent.unsure.block(bref)  # written or not: read back when etcd is back
@@ -193,12 +196,6 @@ class BlockDuty:
         lost = f"; {len(left)} attempts of its last holder lost" if left else ""
         agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
         return block
-
-    def _refused(self, revision: int) -> None:
-        """A claim failed at ``revision``: our view is older than that. No claim is tried
-        again before the view has caught up (``written_revision`` gates the claimer), so
-        an agent whose view lags does not try the same stale block at every wake-up."""
-        self.agent.written_revision = max(self.agent.written_revision, revision)
 
     def next_start(self) -> tuple[HeldBlock, TaskRef, int, float] | None:
         """The next task to start in a free slot, its attempt number and start time."""
