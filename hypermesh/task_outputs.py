@@ -10,9 +10,11 @@ both take the paths from here, so neither can drift from the other:
   (``outputs/checkpoints/<task id>``): durable, and seen by every node;
 - a task without ``data``: ``.hm-tensorboard/<task id>`` in the workflow's workdir (the
   recipe's folder unless the recipe says ``workdir``), the folder a gang keeps its
-  checkpoints in without data. It outlives the node where the workdir is one shared file
-  system (one machine, NFS), and ``hypermesh tensorboard`` reads it where it runs on
-  such a machine.
+  checkpoints in without data. An agent with an object store copies what is there to
+  the same ``outputs/tensorboard/<task id>/...`` at each attempt's end
+  (``agent/tasks/logs.py``, ``copy_event_files``), so it outlives the node; and where the
+  workdir is one shared file system (one machine, NFS), ``hypermesh tensorboard`` also
+  reads the folder itself, which follows a running task.
 
 Every attempt of a task writes to the same folder; a TensorBoard writer names each file
 for its host, process and time, so a resumed attempt adds a file to the same run.
@@ -26,7 +28,7 @@ from pathlib import Path
 
 ENV = "HM_TENSORBOARD_DIR"
 STORE_PREFIX = "outputs/tensorboard/"
-"""Where the event files of tasks with data are in the object store: then the task id."""
+"""Where the event files of every task are in the object store: then the task id."""
 OUT_FOLDER = Path(".out") / "tensorboard"
 """The same place inside a data mount (``.out`` is stored under ``outputs/``)."""
 WORKDIR_FOLDER = ".hm-tensorboard"

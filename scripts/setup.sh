@@ -43,17 +43,11 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # podman's configuration for a machine like this one, written only where the machine has
-# none of its own (an existing docker or podman set-up is left alone): no default ulimits
-# (raising RLIMIT_NPROC needs CAP_SYS_RESOURCE, which a sandbox may lack), cgroupfs rather
-# than systemd (no systemd runs here), runc, and events in a file (no journald).
-CONTAINERS_CONF=/etc/containers/containers.conf
-if command -v podman >/dev/null 2>&1 && [ ! -e "$CONTAINERS_CONF" ] \
-    && [ -z "${CONTAINERS_CONF_OVERRIDE:-}" ] && [ ! -e "$HOME/.config/containers/containers.conf" ]; then
-  echo "setup: writing $CONTAINERS_CONF for podman" >&2
-  $SUDO mkdir -p /etc/containers
-  printf '%s\n' '# Written by hypermesh scripts/setup.sh (none was here).' '[containers]' \
-    'default_ulimits = []' '[engine]' 'cgroup_manager = "cgroupfs"' 'runtime = "runc"' \
-    'events_logger = "file"' | $SUDO tee "$CONTAINERS_CONF" >/dev/null
+# none of its own in any place podman reads (scripts/podman_conf.sh says which and why).
+# shellcheck source=scripts/podman_conf.sh
+source scripts/podman_conf.sh
+if command -v podman >/dev/null 2>&1; then
+  podman_conf_ensure ""
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -89,7 +83,7 @@ import torch.distributed as d; assert d.is_gloo_available(); import kubernetes_v
 import tensorboard.program, torch.utils.tensorboard" \
   || { echo "setup: installation is incomplete" >&2; exit 1; }
 podman run --rm --network none "$(.venv/bin/python -m hypermesh.local.images)" true \
-  || { echo "setup: podman cannot run a container here (see $CONTAINERS_CONF)" >&2; exit 1; }
+  || { echo "setup: podman cannot run a container here (see scripts/podman_conf.sh)" >&2; exit 1; }
 command -v kubectl >/dev/null 2>&1 \
   || { echo "setup: no kubectl (apt: kubectl or kubernetes-client) for tests/ops/test_k8s.py" >&2; exit 1; }
 echo "setup: done (.venv/bin/hypermesh)" >&2

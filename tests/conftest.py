@@ -30,6 +30,7 @@ from hypermesh.local.processes import unmount_under, wait_for
 from hypermesh.local.registry import Registry
 from hypermesh.local.s3server import S3Server
 from hypermesh.state.keyspace import TaskRef
+from tests import leftover_containers
 
 # All tests share one bucket: SeaweedFS gives every bucket its own volumes, so a
 # bucket per test would run the server out of volumes.
@@ -185,6 +186,51 @@ def mesh(etcd_server: EtcdServer, tmp_path: Path, request: pytest.FixtureRequest
         report = getattr(request.node, "rep_call", None)
         if report is not None and report.failed:
             print(m.logs())
+
+
+@pytest.fixture(autouse=True)
+def no_containers_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test that leaves a container of its agents (labelled under its ``tmp_path``),
+    after removing it. Torn down last, once the test's agents have stopped; podman is asked
+    only where an agent ran (tests/leftover_containers.py)."""
+    yield
+    root = request.node.funcargs.get("tmp_path")
+    left = leftover_containers.left_by_test(root) if root is not None else []
+    if left:
+        pytest.fail(f"containers left by this test (removed): {leftover_containers.describe(left)}")
+
+
+_CONTAINERS_BEFORE = pytest.StashKey[set[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
+        try:
+            before = {c["Id"] for c in leftover_containers.containers()}
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:  # a broken podman
+            print(f"no container check at the session's end: {exc}", file=sys.stderr)
+            return
+        session.config.stash[_CONTAINERS_BEFORE] = before
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The controller's last word: no container this run made may be left (by a test, or by
+    a fixture outside any test's folder)."""
+    before = session.config.stash.get(_CONTAINERS_BEFORE, None)
+    if before is None:
+        return
+    basetemp = session.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    left = leftover_containers.new_since(before, basetemp)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = ("CONTAINERS LEFT BY THIS RUN (podman ps -a): "
+                   + leftover_containers.describe(left))
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message, file=sys.stderr)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(tryfirst=True, hookwrapper=True)

@@ -319,6 +319,8 @@ class Attempts:
             outcome = await self.run_watched(r, exp, process, log_path)
             await self._finish(r, exp.retries, started, outcome)
             self.logs.after_end(ref, n, log_path)
+            if "HM_DATA" not in env:  # with data, the mount stored them already
+                self.logs.events_after_end(ref, env[TENSORBOARD_ENV])
         except Exception:
             log.exception("%s: attempt %s/%d crashed", self.name, ref, n)
             await self._finish(r, 0, started, Outcome("failed", None, "exit", time.time()))

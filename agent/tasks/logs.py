@@ -11,6 +11,12 @@ a log lives only on its node's disk and is gone with it.
 ``stream_log`` is the one reader: it asks the node that ran the attempt (which
 also follows a running attempt live) and falls back to the stored copy when the
 node is gone, does not answer or no longer has the file.
+
+The shipper also copies, at an attempt's end, the TensorBoard event files of a task
+without data (``HM_TENSORBOARD_DIR`` in the workflow's workdir, which may be on this
+node only) to where a mount stores those of tasks with data,
+``outputs/tensorboard/<task id>/`` (``hypermesh/task_outputs.py``): ``hypermesh
+tensorboard`` reads both there.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from hypermesh.errors import HypermeshError, NoSuchObject, NotFound
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.view import MeshView
+from hypermesh.task_outputs import store_prefix
 
 if TYPE_CHECKING:
     from hypermesh.chunkfs.store import ObjectStore
@@ -50,6 +57,44 @@ _NODE_GONE = {
 }
 
 
+EVENT_FILES_MAX = 1 << 30
+"""Bytes of a task's event files that one attempt's end copies to the store at most
+(1 GiB): a run of scalars is kilobytes to megabytes, so more is most likely images or
+histograms written every step; the files beyond it stay on the node, and a warning
+names them. Each attempt copies again the whole folder, skipping files stored at
+their size already, so the cost is one listing and what grew."""
+
+
+def copy_event_files(
+    store: ObjectStore, folder: str | Path, task_id: str, limit: int = EVENT_FILES_MAX
+) -> tuple[int, list[str]]:
+    """Copy the files under ``folder`` (a task's ``HM_TENSORBOARD_DIR``) to
+    ``outputs/tensorboard/<task_id>/<path in folder>`` in ``store``, in name order, a
+    file the store has at the same size skipped. Those past ``limit`` bytes in all are
+    left out (and warned of). Returns (bytes uploaded, paths left out). Blocking."""
+    top = Path(folder)
+    files = sorted(p for p in top.rglob("*") if p.is_file() and not p.is_symlink())
+    total, copied, left_out = 0, 0, []
+    for path in files:
+        rel = path.relative_to(top).as_posix()
+        size = path.stat().st_size
+        total += size
+        if total > limit:
+            left_out.append(rel)
+            continue
+        key = f"{store_prefix(task_id)}/{rel}"
+        if store.size(key) != size:
+            store.put_file(key, path)
+            copied += size
+    if left_out:
+        log.warning("%s: its event files in %s are over %d MiB (EVENT_FILES_MAX): %d "
+                    "file(s) not copied to the store, and not served by hypermesh "
+                    "tensorboard from there: %s", task_id, top, limit >> 20,
+                    len(left_out), ", ".join(left_out[:5])
+                    + (" ..." if len(left_out) > 5 else ""))
+    return copied, left_out
+
+
 def log_key(namespace: str, ref: TaskRef, attempt: int) -> str:
     """Where an attempt's log is copied in the object store (under its prefix)."""
     return f"logs/{namespace}/{ref.path}/{attempt}.log"
@@ -59,10 +104,14 @@ class LogShipper:
     """Copies attempt logs to the object store. Owned by the agent's event loop;
     uploads run in threads. Does nothing (and costs nothing) without a store."""
 
-    def __init__(self, store_url: str | None, namespace: str, interval: float) -> None:
+    def __init__(
+        self, store_url: str | None, namespace: str, interval: float,
+        event_files_max: int = EVENT_FILES_MAX,
+    ) -> None:
         self.store_url = store_url
         self.namespace = namespace
         self.interval = interval
+        self.event_files_max = event_files_max
         self._store: ObjectStore | None = None
         self._lock = threading.Lock()
         self._pending: set[asyncio.Task[bool]] = set()
@@ -116,6 +165,24 @@ class LogShipper:
         task = asyncio.create_task(self.copy(ref, attempt, path))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+
+    def events_after_end(self, ref: TaskRef, folder: str) -> None:
+        """Copy the event files a task without data left in ``folder`` (its
+        ``HM_TENSORBOARD_DIR``) to the store, in a thread (``flush`` waits for it)."""
+        if not self.enabled or not os.path.isdir(folder):
+            return
+        task = asyncio.create_task(self._copy_events(ref, folder))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _copy_events(self, ref: TaskRef, folder: str) -> bool:
+        try:
+            await asyncio.to_thread(
+                lambda: copy_event_files(self._open(), folder, ref.id, self.event_files_max))
+            return True
+        except (HypermeshError, OSError) as exc:
+            log.warning("copying the event files of %s to the store: %s", ref, exc)
+            return False
 
     async def flush(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) for final copies still in flight, then close."""

@@ -2,11 +2,13 @@
 by the ``tensorboard`` package on this machine.
 
 The event files are where ``HM_TENSORBOARD_DIR`` points (``hypermesh/task_outputs.py``):
-in the object store for tasks with data, in the workflow's workdir for the others. The
-command copies them into one local folder (the *logdir*), a subfolder per task named for
-its trial (``sweep.3 lr=0.01,l2=0``, ``run_name``), and copies again every ``--sync``
-seconds what grew since, by appending the new bytes: event files only grow, and a file
-TensorBoard holds open must keep its inode for it to see more records.
+in the object store for tasks with data; in the workflow's workdir for the others, which
+an agent with a store copies to the same place in the store at each attempt's end. The
+command reads both (a file in both: the larger copy) and copies them into one local
+folder (the *logdir*), a subfolder per task named for its trial (``sweep.3 lr=0.01,l2=0``,
+``run_name``), and copies again every ``--sync`` seconds what grew since, by appending
+the new bytes: event files only grow, and a file TensorBoard holds open must keep its
+inode for it to see more records.
 
 TensorBoard runs in this process (its own thread, and the ``tensorboard-data-server``
 child it may start); the command ends on Ctrl-C or SIGTERM, stops what it started and
@@ -124,8 +126,9 @@ class Gatherer:
     """Copies the event files of a workflow's trials into ``logdir``, a run per trial.
 
     ``runs`` maps task ids to run names; ``store`` (an ``ObjectStore``, or None) holds
-    the files of tasks with data, ``workdir`` (or None where it is not on this machine)
-    those of the others. Only ``sync`` changes ``logdir``; one caller at a time."""
+    the files of tasks with data and the copies of the others' made at attempt ends,
+    ``workdir`` (or None where it is not on this machine) the others' as they grow.
+    Only ``sync`` changes ``logdir``; one caller at a time."""
 
     logdir: Path
     wid: str
@@ -163,7 +166,7 @@ class Gatherer:
 
     def sync(self) -> int:
         """Copy what is new or grew since the last call; the bytes copied."""
-        copied = 0
+        found: dict[Path, tuple[int, Callable[[int, int], bytes]]] = {}
         sources = []
         if self.store is not None:
             sources.append(self._store_files())
@@ -171,8 +174,14 @@ class Gatherer:
             sources.append(self._workdir_files())
         for source in sources:
             for target, size, read in source:
-                copied += _grow(target, size, read)
-                self.files.add(target)
+                # A file of a task without data is in its workdir and, once an attempt
+                # ended, in the store too: the larger is the newer (event files grow).
+                if target not in found or size > found[target][0]:
+                    found[target] = (size, read)
+        copied = 0
+        for target, (size, read) in found.items():
+            copied += _grow(target, size, read)
+            self.files.add(target)
         return copied
 
     def run_folders(self) -> list[str]:
@@ -235,8 +244,8 @@ def _serve(gatherer: Gatherer, host: str, port: int, sync_s: float, as_json: boo
 @click.argument("workflow")
 @click.option("--experiment", default=None, help="Only this experiment's trials.")
 @click.option("--store", "store_url", envvar="HYPERMESH_STORE", metavar="URL",
-              help="The agents' object store (where tasks with data write their event "
-              "files): s3://BUCKET[/PREFIX] or file:///PATH [env HYPERMESH_STORE].")
+              help="The agents' object store (where their tasks' event files are stored): "
+              "s3://BUCKET[/PREFIX] or file:///PATH [env HYPERMESH_STORE].")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Where TensorBoard listens; beyond loopback only with --insecure.")
 @click.option("--port", default=6006, show_default=True, type=click.IntRange(0, 65535),
@@ -282,6 +291,9 @@ async def tensorboard(
         err(f"warning: no --store: the event files of {', '.join(with_data)} (tasks with "
             "data) are in the agents' object store and are left out")
     workdir = Path(wf.workdir) if wf.workdir and Path(wf.workdir).is_dir() else None
+    if store is None and workdir is None:
+        err(f"warning: no --store, and the workdir {wf.workdir} is not on this machine: "
+            "only the store has the event files of tasks without data")
     temporary = logdir_path is None and not logdir_only
     logdir = logdir_path or Path(tempfile.mkdtemp(prefix=f"hm-tensorboard-{workflow}-"))
     logdir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """``hypermesh notebook`` end to end: a real agent (mutual-TLS files, a dashboard with a
 login over HTTPS), a real JupyterLab started as a task, reached through the agent's proxy
 (HTTP and a kernel's websocket), stopped by ``cancel``; and the proxy's refusal of a port
-that is not the task's own."""
+that is not the task's own; a notebook with ``--pool`` and ``--data`` on a two-pool mesh with
+a real store, its kernel reading the mounted data set; and the recipe the options make."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+import pytest
 
+from hypermesh.chunkfs.pack import put_dataset
+from hypermesh.chunkfs.store import S3Store
+from hypermesh.cli.notebook import TASK_MODULE, notebook_recipe
+from hypermesh.errors import UsageError
 from hypermesh.local.agents import AgentProcess
 from hypermesh.local.pki import LocalPki
 from hypermesh.local.processes import wait_for
@@ -23,17 +29,18 @@ DASHBOARD_TOKEN = "notebook-dashboard-token-0123456789"
 
 
 def guarded_agent(
-    mesh: Mesh, tmp_path: Path
+    mesh: Mesh, tmp_path: Path, name: str = "nb1", extra: tuple[str, ...] = ()
 ) -> tuple[AgentProcess, ssl.SSLContext, tuple[str, ...]]:
-    """An agent with its mesh TLS files and a dashboard token: its dashboard is HTTPS
-    behind a login. Returns it, a client context that trusts the mesh CA, and the CLI's
-    ``--tls-*`` options (a user's certificate) for commands that reach the agent."""
+    """An agent with its mesh TLS files (one CA per test) and a dashboard token: its
+    dashboard is HTTPS behind a login. Returns it, a client context that trusts the mesh
+    CA, and the CLI's ``--tls-*`` options (a user's certificate) for commands that reach
+    the agent. ``extra``: more agent options."""
     pki = LocalPki(tmp_path / "pki")
-    files, user = pki.member("nb1", agent=True), pki.member("user")
+    files, user = pki.member(name, agent=True), pki.member("user")
     (tmp_path / "token").write_text(DASHBOARD_TOKEN + "\n")
-    agent = mesh.agent("nb1", extra=(
+    agent = mesh.agent(name, extra=(
         "--dashboard-token-file", str(tmp_path / "token"), "--tls-ca", str(files.ca),
-        "--tls-cert", str(files.cert), "--tls-key", str(files.key)))
+        "--tls-cert", str(files.cert), "--tls-key", str(files.key), *extra))
     cli = ("--tls-ca", str(user.ca), "--tls-cert", str(user.cert), "--tls-key", str(user.key))
     return agent, ssl.create_default_context(cafile=str(files.ca)), cli
 
@@ -47,8 +54,12 @@ def listener(port: int) -> psutil.Process:
     return psutil.Process(found[0].pid)
 
 
-async def through_proxy(base: str, task: str, token: str, tls: ssl.SSLContext) -> None:
-    """Log in to the dashboard, then use Jupyter through it: REST and a kernel."""
+async def through_proxy(
+    base: str, task: str, token: str, tls: ssl.SSLContext,
+    code: str = "print(6 * 7)", expect: str = "42",
+) -> None:
+    """Log in to the dashboard, then use Jupyter through it: REST and a kernel, which
+    runs ``code`` and must print ``expect``."""
     jar = aiohttp.CookieJar(unsafe=True)  # cookies of an IP address
     async with aiohttp.ClientSession(cookie_jar=jar,
                                      connector=aiohttp.TCPConnector(ssl=tls)) as http:
@@ -77,7 +88,7 @@ async def through_proxy(base: str, task: str, token: str, tls: ssl.SSLContext) -
                 "header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex,
                            "msg_type": "execute_request", "version": "5.3"},
                 "parent_header": {}, "metadata": {}, "channel": "shell", "buffers": [],
-                "content": {"code": "print(6 * 7)", "silent": False, "store_history": False,
+                "content": {"code": code, "silent": False, "store_history": False,
                             "user_expressions": {}, "allow_stdin": False},
             })
             # The reply (shell) and the output (iopub) come on different channels, in no
@@ -94,7 +105,7 @@ async def through_proxy(base: str, task: str, token: str, tls: ssl.SSLContext) -
                         reply = msg["content"]["status"]
                     elif msg["msg_type"] == "status":
                         idle = msg["content"]["execution_state"] == "idle"
-            assert (printed.strip(), reply) == ("42", "ok")
+            assert (printed.strip(), reply) == (expect, "ok")
 
 
 def test_a_notebook_runs_as_a_task_behind_the_dashboard_and_stops_with_cancel(
@@ -151,3 +162,67 @@ def test_the_proxy_refuses_a_port_the_task_does_not_listen_on(mesh: Mesh) -> Non
     status, text = wait_for(refused, 20, "the proxy to answer")  # type: ignore[misc]
     assert status == 502 and "listens on no port it reported" in text, text
     mesh.hm("cancel", wid, check=True)
+
+
+def test_the_notebook_recipe_says_pools_data_and_hardware_as_a_recipe_does(
+    tmp_path: Path,
+) -> None:
+    recipe = notebook_recipe(
+        "nb", None, ("lab", "gpu"), ("raw=pipeline-raw@3", "ckpt=models"),
+        {"gpus": 0.5, "gpu": "a100"}, "8h", "secret-token", tmp_path)
+    exp = recipe.experiment("notebook")
+    assert exp.pools == ("lab", "gpu")
+    assert dict(exp.data) == {"raw": "pipeline-raw@3", "ckpt": "models"}
+    assert (exp.hardware.gpus, exp.hardware.gpu) == (0.5, "a100")
+    assert exp.timeout == 8 * 3600
+    assert exp.env["JUPYTER_TOKEN"] == "secret-token"
+    assert exp.command == (f'"${{HM_PYTHON:-python3}}" -m {TASK_MODULE}',)
+    assert recipe.workdir == str(tmp_path)
+
+    # Without options: any pool, no data, no hardware beyond a task's default.
+    bare = notebook_recipe("nb", "/opt/my env/python", (), (), {}, None, "t", tmp_path)
+    exp = bare.experiment("notebook")
+    assert (exp.pools, dict(exp.data), exp.hardware.gpus, exp.timeout) == ((), {}, 0.0, None)
+    assert exp.command == (f"'/opt/my env/python' -m {TASK_MODULE}",)
+
+
+@pytest.mark.parametrize("item", ["raw", "=pipeline-raw", "raw=", "raw:pipeline-raw"])
+def test_a_data_option_without_alias_and_data_set_is_a_usage_error(
+    item: str, tmp_path: Path
+) -> None:
+    with pytest.raises(UsageError, match=r"give ALIAS=DATASET\[@VERSION\]"):
+        notebook_recipe("nb", None, (), ("ok=set", item), {}, None, "t", tmp_path)
+
+
+def test_a_notebook_with_pool_and_data_runs_in_its_pool_and_reads_the_data_set(
+    mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path
+) -> None:
+    """Two pools of agents sharing one store: ``--pool lab`` puts the notebook on the lab
+    node, and its kernel reads the data set ``--data raw=...`` mounted there."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rows.csv").write_text("x,y\n1,2\n")
+    put_dataset(store, src, "nb-raw", chunk_size=4 << 20)
+    with_store = ("--store", store_url, "--cache-size", "64MiB")
+    guarded_agent(mesh, tmp_path, "plain1", (*with_store, "--pool", "default"))
+    agent, tls, _ = guarded_agent(mesh, tmp_path, "lab1", (*with_store, "--pool", "lab"))
+
+    bad = mesh.hm("notebook", "--data", "raw", "--wait", "5")
+    assert bad.returncode == 2 and "give ALIAS=DATASET[@VERSION]" in bad.stderr, bad.stderr
+    assert mesh.hm_json("status") == []  # nothing submitted
+
+    result = mesh.hm("notebook", "--pool", "lab", "--data", "raw=nb-raw", "--workdir",
+                     str(tmp_path), "--wait", "40", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr + mesh.logs()
+    out = json.loads(result.stdout)
+    wid, task, token = out["workflow"], out["task"], out["token"]
+    assert (out["node"], out["via"]) == ("lab1", "dashboard")
+
+    code = ("import os; d = os.environ['HM_DATA_RAW']; "
+            "print(sorted(n for n in os.listdir(d) if not n.startswith('.')), "
+            "open(os.path.join(d, 'rows.csv')).read().split(), os.environ['HM_DATA'] == d)")
+    asyncio.run(through_proxy(f"https://{agent.http_address}", task, token, tls, code,
+                              "['rows.csv'] ['x,y', '1,2'] True"))
+
+    mesh.hm("cancel", wid, check=True)
+    mesh.wait_state(wid, {"cancelled"}, timeout=20)

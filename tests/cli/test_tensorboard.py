@@ -2,14 +2,17 @@
 ``$HM_TENSORBOARD_DIR``, and the command serves them, a run per trial.
 
 Real etcd, real SeaweedFS, a real chunkfs mount under a real agent, and a real
-TensorBoard server queried over HTTP.
+TensorBoard server queried over HTTP. The trial without data is served from the store
+alone, its workdir folder removed: its agent copied it there when the attempt ended.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
+from hypermesh.agent.tasks.logs import copy_event_files
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.cli.tensorboard import run_name
@@ -45,7 +49,7 @@ experiments:
       lr: {{values: [0.01, 0.1]}}
     command:
       - {sys.executable} writer.py
-  plain:                      # without data: to the workdir's .hm-tensorboard/
+  plain:                      # without data: the workdir's .hm-tensorboard/, then the store
     command:
       - {sys.executable} writer.py
 """
@@ -96,7 +100,7 @@ def test_trials_event_files_are_served_one_run_per_trial(
     assert sorted(runs.values()) == ["plain.0", "sweep.0 lr=0.01", "sweep.1 lr=0.1"]
 
     # The trials with data wrote through the mount: durable in the store, not on the node.
-    stored = {k: store.get(k) for k in store.list(f"outputs/tensorboard/{wid}.")
+    stored = {k: store.get(k) for k in store.list(f"outputs/tensorboard/{wid}.sweep.")
               if not k.endswith("/.chunkfs-dir")}  # a folder's marker object
     assert {k.split("/")[2] for k in stored} == {f"{wid}.sweep.0", f"{wid}.sweep.1"}
     assert all("/events.out.tfevents." in k for k in stored), sorted(stored)
@@ -117,11 +121,27 @@ def test_trials_event_files_are_served_one_run_per_trial(
                    "--logdir", str(tmp_path / "only"), "--logdir-only", check=True)
     assert [p.name for p in Path(only.stdout.strip()).iterdir()] == ["plain.0"]
 
+    # The trial without data: its agent (which has a store) copied its event file to the
+    # store where the mount stores the others', when the attempt ended (in the background,
+    # after the attempt's end was recorded). With the workdir's folder gone, as on a node
+    # that is gone, the command serves it from the store alone, byte for byte.
+    plain_key = f"outputs/tensorboard/{wid}.plain.0/{local[0].name}"
+    wait_for(lambda: store.size(plain_key) == local[0].stat().st_size, 20,
+             "the agent to copy plain.0's event file to the store", interval=0.1)
+    assert store.get(plain_key) == local[0].read_bytes()
+    shutil.rmtree(mesh.root / ".hm-tensorboard")
+    gone = tmp_path / "from-store"
+    out = mesh.hm_json("tensorboard", wid, "--store", store_url, "--logdir", str(gone),
+                       "--logdir-only")
+    assert out == {"logdir": str(gone), "runs": sorted(runs.values())}
+    assert (gone / "plain.0" / local[0].name).read_bytes() == store.get(plain_key)
+
     # TensorBoard has no login: beyond loopback it needs --insecure.
     refused = mesh.hm("tensorboard", wid, "--host", "0.0.0.0")
     assert refused.returncode == 2 and "--insecure" in refused.stderr
 
-    # The real server: every trial a run, with its scalar; SIGTERM stops it all and cleans up.
+    # The real server (the workdir's folder still gone): every trial a run, with its
+    # scalar; SIGTERM stops it all and cleans up.
     proc = subprocess.Popen(
         [sys.executable, "-m", "hypermesh", "tensorboard", wid, "--store", store_url,
          "--port", "0"],
@@ -156,3 +176,35 @@ def test_trials_event_files_are_served_one_run_per_trial(
     assert temp.name.startswith(f"hm-tensorboard-{wid}-")
     wait_for(lambda: all(process_gone(pid) for pid in children), 5, "its children to end")
     assert not temp.exists()
+
+
+def test_an_attempts_event_files_are_copied_to_the_store_up_to_a_cap(
+    store: S3Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What an agent does at an attempt's end for a task without data, against the real
+    store: files under the cap are stored where a mount stores a task's event files, a
+    file already stored at its size is not sent again, and what is past the cap stays
+    out, with a warning that names it."""
+    folder = tmp_path / "tb"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.tfevents").write_bytes(b"a" * 300)
+    (folder / "sub" / "b.tfevents").write_bytes(b"b" * 300)
+    (folder / "z.tfevents").write_bytes(b"z" * 600)
+    task = f"w{tmp_path.name[-8:]}.plain.0"
+    with caplog.at_level(logging.WARNING, logger="hypermesh.agent.tasks.logs"):
+        copied, left_out = copy_event_files(store, folder, task, limit=1000)
+    assert (copied, left_out) == (600, ["z.tfevents"])
+    prefix = f"outputs/tensorboard/{task}/"
+    assert sorted(store.list(prefix)) == [prefix + "a.tfevents", prefix + "sub/b.tfevents"]
+    assert store.get(prefix + "sub/b.tfevents") == b"b" * 300
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "1 file(s) not copied to the store" in said[0], said
+    assert "z.tfevents" in said[0] and "EVENT_FILES_MAX" in said[0]
+
+    # The next attempt's end: only what grew is sent again.
+    with open(folder / "a.tfevents", "ab") as f:
+        f.write(b"a" * 100)
+    assert copy_event_files(store, folder, task, limit=1 << 20) == (1000, [])
+    assert store.get(prefix + "a.tfevents") == b"a" * 400
+    assert sorted(store.list(prefix)) == [
+        prefix + "a.tfevents", prefix + "sub/b.tfevents", prefix + "z.tfevents"]

@@ -24,9 +24,11 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from hypermesh.chunkfs.store import S3Store
+from hypermesh.local.registry import Registry
 from tests.conftest import Mesh
 from tests.ops.test_telemetry import SPIN
 from tests.tasks.test_data_tasks import _dataset
+from tests.tasks.test_images import Pushed
 
 GATED = "until [ -f gate ]; do sleep 0.05; done"
 
@@ -250,3 +252,28 @@ def test_dashboard_cache_map_after_a_data_read(
     (usage,) = top["telemetry"]["caches"]
     assert usage["dataset"] == "toy" and usage["cached_bytes"] == part
     assert usage["store_blocks"] >= 1 and usage["cache_blocks"] == usage["peer_blocks"] == 0
+
+
+def test_dashboard_says_an_image_is_being_pulled_while_the_registry_is_down(
+    mesh: Mesh, browser: WebDriver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Registry(tmp_path / "registry") as registry:  # the test's own: it pauses it
+        monkeypatch.setenv("CONTAINERS_REGISTRIES_CONF", str(registry.registries_conf()))
+        images = Pushed(registry, tmp_path)
+        try:
+            ref = images.tiny("dash", runnable=True)
+            node = mesh.agent("node1", slots=1)
+            registry.pause()
+            wid = mesh.submit(mesh.write_recipe(
+                f"experiments:\n  train: {{image: {ref}, command: ['echo in image']}}\n"))
+            why = f"pulling image {ref} on node1"
+            browser.get(f"http://{node.http_address}/")
+            wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+            wait.until(lambda d: text_of(d, f'[data-wid="{wid}"] [data-waiting="train"]') == why)
+            registry.resume()
+            assert mesh.wait_state(wid, {"succeeded", "failed"})["state"] == "succeeded"
+            wait.until(lambda d: not d.find_elements(
+                By.CSS_SELECTOR, f'[data-wid="{wid}"] [data-waiting="train"]'))
+        finally:
+            registry.resume()
+            images.remove()

@@ -6,6 +6,8 @@ disk budget. Each test pushes images under names of its own and removes what it 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -14,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from hypermesh.agent.tasks.containers import FRAMEWORK_IMAGES
 from hypermesh.agent.tasks.images import (
     ImageCache,
     ImageConfig,
     ImageUnavailable,
+    images_in_use,
     is_permanent,
     last_error,
     pull_backoff,
@@ -27,6 +31,8 @@ from hypermesh.errors import UsageError
 from hypermesh.local.images import build_image, image_exists
 from hypermesh.local.processes import free_port, wait_for
 from hypermesh.local.registry import Registry
+from hypermesh.state.keyspace import TaskRef
+from tests.claims.test_claims import Feed
 
 FAST = ImageConfig.local(deadline_s=20.0, backoff_first_s=0.1, backoff_max_s=0.5)
 
@@ -46,11 +52,18 @@ class Pushed:
         self.refs: list[str] = []
         self.sizes: dict[str, int] = {}
 
-    def tiny(self, name: str) -> str:
-        """A tiny image of its own (one file), pushed as PREFIX/NAME:1 and absent here."""
+    def tiny(self, name: str, runnable: bool = False) -> str:
+        """A tiny image of its own (one file), pushed as PREFIX/NAME:1 and absent here;
+        ``runnable``: with bash and busybox's tools too (a few MB), for a task to run in."""
         marker = self.root / f"{name}-{uuid.uuid4().hex}.txt"
         marker.write_text(f"{name} {uuid.uuid4().hex}\n")
-        local = build_image(f"localhost/hm-test-{uuid.uuid4().hex[:12]}", [marker], {})
+        files, links = [marker], {}
+        if runnable:
+            busybox, bash = shutil.which("busybox"), shutil.which("bash")
+            assert busybox and bash, "bash scripts/setup.sh installs busybox-static"
+            files += [Path(busybox), Path(os.path.realpath(bash))]
+            links = {f"/bin/{tool}": busybox for tool in ("sh", "cat", "echo", "sleep", "test")}
+        local = build_image(f"localhost/hm-test-{uuid.uuid4().hex[:12]}", files, links)
         ref = f"{self.prefix}/{name}:1"
         self.refs.append(ref)
         try:
@@ -120,6 +133,27 @@ def test_the_runtimes_message_is_its_last_error_line() -> None:
     err = "Trying to pull r/x:1...\nError: manifest unknown\n"
     assert last_error(err) == "Error: manifest unknown"
     assert last_error("only a line\n") == "only a line"
+
+
+def test_the_images_in_use_are_those_of_the_running_attempts_experiments() -> None:
+    feed = Feed()
+    feed.workflow("w1", """
+        experiments:
+          own: {image: "r.example/own:1", command: ["true"]}
+          torch: {framework: pytorch, command: ["true"]}
+          both: {framework: pytorch, image: "r.example/both:2", command: ["true"]}
+          plain: {command: ["true"]}
+          idle: {image: "r.example/idle:1", command: ["true"]}
+    """)
+    feed.workflow("w2", """
+        experiments:
+          own: {image: "r.example/own:1", command: ["true"]}
+    """)
+    running = [TaskRef("w1", name, 0) for name in ("own", "torch", "both", "plain")]
+    assert images_in_use(feed.view, [*running, TaskRef("w2", "own", 3)]) == {
+        "r.example/own:1", FRAMEWORK_IMAGES["pytorch"], "r.example/both:2"}
+    assert images_in_use(feed.view, [TaskRef("gone", "own", 0)]) == set()  # a workflow removed
+    assert images_in_use(feed.view, []) == set()
 
 
 # ---------------------------------------------------------------------- pulls

@@ -198,6 +198,9 @@ function parallelOption(data) {
   const axes = params.map((p, i) => (isCategory[i]
     ? { dim: i, name: p, type: "category", data: [...new Set(rows.map((t) => fmtNum(t.params[p])))] }
     : { dim: i, name: p, type: logScale(rows.map((t) => t.params[p])) ? "log" : "value", scale: true }));
+  // No lines run left of the first axis: its labels go there, clear of them (a parallel
+  // axis ignores axisLabel.inside, so a negative margin and right-aligned text).
+  if (axes.length) axes[0].axisLabel = { margin: -8, align: "right" };
   axes.push({ dim: params.length, name: metric, type: "value", scale: true,
               nameTextStyle: { fontWeight: "bold" }, inverse: goal === "maximize" });
   const values = (t) => [...params.map((p, i) => (isCategory[i] ? fmtNum(t.params[p]) : t.params[p] ?? null)), t.value];
@@ -217,7 +220,12 @@ function parallelOption(data) {
     title: { text: `parameters → ${metric}`, left: 0, textStyle: { fontSize: 13 } },
     tooltip: { trigger: "item", formatter: (p) => `${p.name}: ${metric} ${fmtNum(p.value[params.length])}` },
     legend: { top: 22, left: 0 },
-    parallel: { left: 48, right: 110, top: 72, bottom: 28, parallelAxisDefault: { nameGap: 14 } },
+    // The axes above the lines (z 3 over the series' 2), their labels on a white box, so that
+    // "adam" or "0.01" stay readable where the lines cross them.
+    parallel: { left: 72, right: 110, top: 72, bottom: 28, parallelAxisDefault: {
+      nameGap: 14, z: 3,
+      axisLabel: { backgroundColor: "#fff", padding: [1, 3], borderRadius: 2 },
+    } },
     parallelAxis: axes,
     // Complete trials coloured by the objective, the best darkest (on the series 0 only).
     visualMap: complete.length && series[0].name === "complete" ? {
