@@ -11,9 +11,9 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError
@@ -34,6 +34,7 @@ from hypermesh.etcd_security import (
     rpc_details,
     tls_hint,
 )
+from hypermesh.etcd_watch import RangeWatch, WatchCompacted, WatchEnded
 
 log = logging.getLogger(__name__)
 
@@ -626,52 +627,41 @@ class Etcd:
                     if ready is not None:
                         ready.set()
                 generation = self._token_gen
-                stream = cast(AsyncGenerator[Any, None], self.client.watch.watch(  # it is one
-                    prefix, range_end=prefix_range_end(prefix), start_revision=revision + 1
-                ))
-                opened = False
-                try:
-                    async for resp in stream:
-                        if resp.canceled and not resp.compact_revision and self.security.user:
-                            # etcd checks the token when a watch is created: refused, it
-                            # has most likely expired. Resume with a new one.
-                            log.info("watch on %s refused (%s); authenticating again",
-                                     prefix, resp.cancel_reason)
-                            await self._authenticate(stale=generation)
-                            await asyncio.sleep(backoff)
-                            backoff = min(backoff * 2, 5.0)
-                            break
-                        if resp.compact_revision or resp.canceled:
-                            log.warning("watch on %s compacted or cancelled; reloading", prefix)
-                            revision = 0
-                            break
-                        if resp.created:
-                            if opened:
-                                # etcd3aio reopened the stream on its own, from the header
-                                # revision of an earlier answer: a new watch's first answer
-                                # carries etcd's current revision before the events up to it
-                                # have come, so it may skip some. Resume from our own.
-                                log.info("watch on %s reopened; resuming at %d",
-                                         prefix, revision + 1)
-                                break
-                            opened = True
-                            continue
-                        for ev in resp.events:
+                # Our own stream, which never reopens by itself: after any break the
+                # loop resumes after the last event it applied (etcd3aio's watch reopened
+                # from its last answer's header, which can skip events).
+                async with RangeWatch(
+                    self.client.watch._stub, [(prefix.encode(), prefix_range_end(prefix))],
+                    revision + 1, metadata=self._metadata(),
+                ) as watch:
+                    async for change in watch:
+                        for ev in change.events:
                             kv = ev.kv
-                            revision = max(revision, kv.mod_revision)
                             key = kv.key.decode()
                             if only and not key.startswith(wanted):
                                 continue
                             apply(key, None if ev.type == 1 else kv.value,
                                   kv.create_revision, kv.mod_revision)
-                        if not resp.events:  # a progress report: all up to its header is in
-                            revision = max(revision, resp.header.revision)
+                        revision = change.revision
                         on_batch(revision)
                         backoff = 0.2
-                    else:
-                        log.warning("watch on %s ended; resuming at %d", prefix, revision + 1)
-                finally:
-                    await stream.aclose()
+            except WatchCompacted:
+                log.warning("watch on %s compacted; reloading", prefix)
+                revision = 0
+            except WatchEnded as exc:
+                if exc.cancelled and self.security.user:
+                    # etcd checks the token when a watch is created: refused, it has
+                    # most likely expired. Resume with a new one.
+                    log.info("watch on %s: %s; authenticating again", prefix, exc)
+                    with contextlib.suppress(EtcdUnavailable):
+                        await self._authenticate(stale=generation)
+                elif exc.cancelled:
+                    log.warning("watch on %s: %s; reloading", prefix, exc)
+                    revision = 0
+                else:
+                    log.warning("watch on %s: %s; resuming at %d", prefix, exc, revision + 1)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
             except (EtcdUnavailable, EtcdError, grpc.aio.AioRpcError) as exc:
                 if _cancelled(exc) or _cancelled(exc.__cause__ or exc):
                     raise asyncio.CancelledError from exc
