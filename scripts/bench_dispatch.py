@@ -98,13 +98,17 @@ class BenchError(RuntimeError):
     """A side of the benchmark did not complete; the message says why."""
 
 
-def recipe_text(tasks: int, command: str = "true") -> str:
+def recipe_text(tasks: int, command: str = "true", block: int | None = None) -> str:
+    """The benchmarks' recipe: ``tasks`` trivial tasks; ``block``: the recipe's ``batch``
+    (tasks per block), else the automatic size, which is 1 (per-task keys) once the
+    mesh has more than a quarter as many slots as tasks."""
     return (
         "name: dispatch\n"
         "experiments:\n"
         "  noop:\n"
         f"    samples: {tasks}\n"
-        "    command:\n"
+        + (f"    batch: {block}\n" if block is not None else "")
+        + "    command:\n"
         f"      - {json.dumps(command)}\n"
     )
 

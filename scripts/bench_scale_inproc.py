@@ -84,6 +84,7 @@ from hypermesh.config import AgentConfig
 from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.agents import hypermesh_command
 from hypermesh.local.etcd import EtcdServer
+from hypermesh.recipe.recipe import MAX_BLOCK
 
 log = logging.getLogger("bench_scale_inproc")
 
@@ -416,7 +417,7 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
         await asyncio.sleep(args.settle)
         members.check_alive()
         recipe = root / "inproc.yaml"
-        recipe.write_text(recipe_text(args.tasks))
+        recipe.write_text(recipe_text(args.tasks, block=args.block))
         COUNTERS.attempts.clear()
         EVENTS.take()
         m0 = await asyncio.to_thread(etcd_metrics, etcd.url)
@@ -596,6 +597,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task-seconds", type=float, default=0.0,
                    help="how long each (patched) attempt takes [0]")
     p.add_argument("--batch", type=int, default=16, help="members started at once [16]")
+    p.add_argument("--block", type=int, default=None,
+                   help="tasks per block (the recipe's batch); default: the automatic size, "
+                   "which is per-task keys once the slots are over a quarter of the tasks")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,
@@ -612,6 +616,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("members", "tasks", "slots", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.block is not None and not 1 <= args.block <= MAX_BLOCK:
+        p.error(f"--block must be 1 to {MAX_BLOCK}, got {args.block}")
     if args.task_seconds < 0 or args.settle < 0 or args.idle_seconds < 0:
         p.error("--task-seconds, --settle and --idle-seconds must not be negative")
     return args
