@@ -213,6 +213,30 @@ class EtcdDelta:
         }
 
 
+ETCD_TASK_ROWS = [
+    ("etcd watch events sent", "watch_events", "{:.1f}"),
+    ("etcd watch messages sent", "watch_msgs", "{:.1f}"),
+    ("etcd bytes sent to clients", "etcd_sent_bytes", "{:.0f}"),
+    ("etcd bytes received", "etcd_received_bytes", "{:.0f}"),
+    ("etcd mvcc puts", "puts", "{:.2f}"),
+    ("etcd mvcc deletes", "deletes", "{:.2f}"),
+    ("etcd mvcc txns", "txns", "{:.2f}"),
+    ("etcd Put/Txn/Delete RPCs", "write_rpcs", "{:.2f}"),
+    ("etcd Range RPCs", "range_rpcs", "{:.2f}"),
+]
+"""How both harnesses print :meth:`EtcdDelta.per_task` (label, key, format)."""
+
+ETCD_IDLE_ROWS = [
+    ("etcd mvcc writes /s", "mvcc_writes_per_s_per_agent", "{:.4f}"),
+    ("etcd Put/Txn/Delete RPCs /s", "write_rpcs_per_s_per_agent", "{:.4f}"),
+    ("etcd Range RPCs /s", "range_rpcs_per_s_per_agent", "{:.4f}"),
+    ("lease keep-alives /s", "keepalives_per_s_per_agent", "{:.3f}"),
+    ("etcd watch events /s", "watch_events_per_s_per_agent", "{:.2f}"),
+    ("etcd bytes sent /s", "etcd_sent_bytes_per_s_per_agent", "{:.0f}"),
+]
+"""How both harnesses print :meth:`EtcdDelta.per_agent_second`."""
+
+
 def print_rows(rows: list[tuple[str, str, str]], values: dict[str, Any], out: Any) -> None:
     """One line per (label, key, format) of ``rows``: the label, then ``values[key]``
     formatted, or n/a where it is None or missing."""
@@ -503,15 +527,7 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
         ("  the followers (ms)", "followers_cpu_ms", "{:.3f}"),
         ("etcd CPU (ms)", "etcd_cpu_ms", "{:.3f}"),
         ("submit CLI CPU (ms)", "cli_cpu_ms", "{:.3f}"),
-        ("etcd watch events sent", "watch_events", "{:.1f}"),
-        ("etcd watch messages sent", "watch_msgs", "{:.1f}"),
-        ("etcd bytes sent to clients", "etcd_sent_bytes", "{:.0f}"),
-        ("etcd bytes received", "etcd_received_bytes", "{:.0f}"),
-        ("etcd mvcc puts", "puts", "{:.2f}"),
-        ("etcd mvcc deletes", "deletes", "{:.2f}"),
-        ("etcd mvcc txns", "txns", "{:.2f}"),
-        ("etcd Put/Txn/Delete RPCs", "write_rpcs", "{:.2f}"),
-        ("etcd Range RPCs", "range_rpcs", "{:.2f}"),
+        *ETCD_TASK_ROWS,
         ("slot gap p50 (ms)", "gap_p50_ms", "{:.1f}"),
         ("slot gap p99 (ms)", "gap_p99_ms", "{:.1f}"),
         ("slot gap max (ms)", "gap_max_ms", "{:.1f}"),
@@ -528,12 +544,7 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
             ("CPU, % of a core (median)", "agent_cpu_pct_median", "{:.2f}"),
             ("CPU, % of a core (mean)", "agent_cpu_pct_mean", "{:.2f}"),
             ("CPU, % of a core (max)", "agent_cpu_pct_max", "{:.2f}"),
-            ("etcd mvcc writes /s", "mvcc_writes_per_s_per_agent", "{:.3f}"),
-            ("etcd Put/Txn/Delete RPCs /s", "write_rpcs_per_s_per_agent", "{:.3f}"),
-            ("etcd Range RPCs /s", "range_rpcs_per_s_per_agent", "{:.3f}"),
-            ("lease keep-alives /s", "keepalives_per_s_per_agent", "{:.3f}"),
-            ("etcd watch events /s", "watch_events_per_s_per_agent", "{:.2f}"),
-            ("etcd bytes sent /s", "etcd_sent_bytes_per_s_per_agent", "{:.0f}"),
+            *ETCD_IDLE_ROWS,
             ("gossip bytes sent /s", "gossip_bytes_sent_per_s_per_agent", "{:.0f}"),
             ("RSS MB (median)", "rss_mb_median", "{:.1f}"),
         ], idle_med, log)

@@ -70,6 +70,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dispatch import machine, proc_cpu, recipe_text
 from bench_scale import (
+    ETCD_IDLE_ROWS,
+    ETCD_TASK_ROWS,
     EtcdDelta,
     etcd_metrics,
     print_rows,
@@ -536,14 +538,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
         ("agents' CPU, summed (ms)", "agents_cpu_ms", "{:.3f}"),
         ("etcd CPU (ms)", "etcd_cpu_ms", "{:.3f}"),
         ("submit CLI CPU (ms)", "cli_cpu_ms", "{:.3f}"),
-        ("etcd watch events sent", "watch_events", "{:.1f}"),
-        ("etcd watch messages sent", "watch_msgs", "{:.1f}"),
-        ("etcd bytes sent to clients", "etcd_sent_bytes", "{:.0f}"),
-        ("etcd bytes received", "etcd_received_bytes", "{:.0f}"),
-        ("etcd mvcc puts", "puts", "{:.2f}"),
-        ("etcd mvcc txns", "txns", "{:.2f}"),
-        ("etcd Put/Txn/Delete RPCs", "write_rpcs", "{:.2f}"),
-        ("etcd Range RPCs", "range_rpcs", "{:.2f}"),
+        *ETCD_TASK_ROWS,
     ], per, out)
     print(f"  {'attempts run (members)':<32}{f'{r.attempts} ({r.members_that_ran})':>14}",
           file=out)
@@ -557,12 +552,7 @@ def report(r: Result, out: Any) -> dict[str, Any]:
         print(f"idle ({r.idle_s:.0f}s), per member:", file=out)
         print_rows([
             ("CPU, % of a core", "agent_cpu_pct", "{:.3f}"),
-            ("etcd mvcc writes /s", "mvcc_writes_per_s_per_agent", "{:.4f}"),
-            ("etcd Put/Txn/Delete RPCs /s", "write_rpcs_per_s_per_agent", "{:.4f}"),
-            ("etcd Range RPCs /s", "range_rpcs_per_s_per_agent", "{:.4f}"),
-            ("lease keep-alives /s", "keepalives_per_s_per_agent", "{:.3f}"),
-            ("etcd watch events /s", "watch_events_per_s_per_agent", "{:.2f}"),
-            ("etcd bytes sent /s", "etcd_sent_bytes_per_s_per_agent", "{:.0f}"),
+            *ETCD_IDLE_ROWS,
             ("gossip bytes /s (ss)", "gossip_bytes_per_s_per_agent", "{:.0f}"),
         ], idle, out)
         print(f"  {'process CPU, % of a core':<32}{idle['process_cpu_pct'] or 0:>14.1f}",
