@@ -8,6 +8,7 @@ for these helpers.
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -16,9 +17,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+_PORTS_FLOOR = 10_000  # below this, well-known services live (and root-only ports)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the ephemeral range.
+
+    Servers that the tests stop and start again on the same ports (S3, etcd, agents)
+    must find them free again: a port from the ephemeral range could meanwhile become
+    the local port of any outgoing connection on the machine, and the restart would
+    fail to bind. So the port is drawn below that range, where the kernel never hands
+    out ports by itself; only where the range leaves no room is the kernel asked.
+    """
+    low, _ = _ephemeral_range()
+    if low - _PORTS_FLOOR >= 1000:
+        for _ in range(100):
+            port = random.randrange(_PORTS_FLOOR, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

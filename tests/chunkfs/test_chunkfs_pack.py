@@ -488,6 +488,12 @@ def test_put_rides_out_an_s3_server_restart(
     try:
         root = put_dataset(own_store, tree, "back", chunk_size=CHUNK, parallel=2, progress=stop)
         done = time.monotonic()
+    except StoreUnavailable as exc:
+        if restarter.ident is not None:
+            restarter.join(60)
+        if errors:  # the server did not come back: say why, not only that the put gave up
+            raise AssertionError(f"the S3 server did not restart: {errors[0]!r}") from exc
+        raise
     finally:
         if restarter.ident is not None:  # started: a server it starts must not outlive us
             restarter.join(60)

@@ -1,0 +1,37 @@
+"""Ports of local servers: drawn where no outgoing connection can take them meanwhile."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from hypermesh.local import processes
+from hypermesh.local.processes import free_port
+
+
+def test_a_free_port_lies_below_the_ephemeral_range_and_can_be_bound() -> None:
+    low, _ = processes._ephemeral_range()
+    for _ in range(50):
+        port = free_port()
+        assert processes._PORTS_FLOOR <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(processes, "_ephemeral_range", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(processes, "_PORTS_FLOOR", taken - 999)
+        draws = {free_port() for _ in range(300)}
+    assert taken not in draws
+    assert all(taken - 999 <= p <= taken for p in draws)
+
+
+def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processes, "_ephemeral_range", lambda: (1024, 65535))
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
