@@ -173,6 +173,13 @@ class Agent:
         self.lease_lost = asyncio.Event()
         self.mirror_ready = asyncio.Event()
         self.view_changed = asyncio.Event()
+        # ``--watch own``: the mirror follows ``Keyspace.own_ranges`` until this node leads,
+        # then the whole namespace (``_widen``); ``view_whole`` is set once it holds it.
+        self.view_whole = asyncio.Event()
+        if cfg.watch == "all":
+            self.view_whole.set()
+        self._mirror: asyncio.Task[None] | None = None
+        self._widening = False
         self.wakeup = asyncio.Event()
         # Agents gossip with lan timings in every preset: real gRPC round trips
         # between Python processes on a loaded 2-core machine need them.
@@ -259,6 +266,7 @@ class Agent:
             metrics=self.metrics_address,
             http_address=self.http_address,
             pulling=self.images.pulling(),
+            offers=self.cfg.watch == "own",
         )
 
     def _images_in_use(self) -> set[str]:
@@ -292,7 +300,40 @@ class Agent:
 
     @property
     def is_leader(self) -> bool:
-        return self.view.leader() == self.cfg.name
+        """This node leads: the view says so, and holds the whole namespace (a node
+        that watched only its own part leads once its mirror has widened)."""
+        return self.view.leader() == self.cfg.name and self.view_whole.is_set()
+
+    def _start_mirror(
+        self, ranges: list[tuple[str, str]], ready: asyncio.Event
+    ) -> asyncio.Task[None]:
+        task = asyncio.create_task(
+            self.etcd.mirror(
+                self.ks.root,
+                self.view.apply,
+                self._on_batch,
+                reset=self.view.reset,
+                ready=ready,
+                # Workflows and blocks before batches, so that those fold as they come.
+                first=(self.ks.kind_prefix("wf"), self.ks.kind_prefix("block")),
+                tidy=self.view.fold_settled,
+                ranges=ranges,
+            ),
+            name="mirror",
+        )
+        task.add_done_callback(self._task_died)
+        self._mirror = task
+        return task
+
+    def _widen(self) -> None:
+        """Elected while watching only part of the namespace: load all of it and follow
+        it from now on, in place of the partial mirror (the view is reloaded whole)."""
+        old, self._widening = self._mirror, True
+        if old is not None:
+            old.cancel()
+            self._tasks.remove(old)
+        self.decide("elected: watching the whole namespace")
+        self._tasks.append(self._start_mirror([], self.view_whole))
 
     def candidacy(self) -> tuple[str, int] | None:
         """The election key this node stands with and its create revision (None: it
@@ -359,19 +400,6 @@ class Agent:
             loop.add_signal_handler(sig, self.request_drain)
         self._tasks = [
             asyncio.create_task(self._keep_lease(), name="lease"),
-            asyncio.create_task(
-                self.etcd.mirror(
-                    self.ks.root,
-                    self.view.apply,
-                    self._on_batch,
-                    reset=self.view.reset,
-                    ready=self.mirror_ready,
-                    # Workflows and blocks before batches, so that those fold as they come.
-                    first=(self.ks.kind_prefix("wf"), self.ks.kind_prefix("block")),
-                    tidy=self.view.fold_settled,
-                ),
-                name="mirror",
-            ),
             asyncio.create_task(self.scheduler.run(), name="schedule"),
             asyncio.create_task(self.campaign.run(), name="campaign"),
             asyncio.create_task(self._run_gossip(), name="gossip"),
@@ -389,6 +417,9 @@ class Agent:
             )
         for t in self._tasks:
             t.add_done_callback(self._task_died)
+        self._tasks.append(self._start_mirror(
+            self.ks.own_ranges(self.cfg.name) if self.cfg.watch == "own" else [],
+            self.mirror_ready))
         if dashboard_socket is not None:
             self._dashboard_start = asyncio.create_task(self._serve_dashboard(dashboard_socket))
         bound = ("" if self.bound_address == self.address
@@ -518,6 +549,10 @@ class Agent:
         return self.attempts.task_roots() + self.gangs.task_roots()
 
     def _on_batch(self, revision: int) -> None:
+        if not self._widening and self.view.leader() == self.cfg.name and (
+            not self.view_whole.is_set()
+        ):
+            self._widen()
         self.view.fold_settled()
         self.leader_duty.dirty = True
         self.view_changed.set()

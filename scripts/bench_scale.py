@@ -409,9 +409,10 @@ def run_mesh(args: argparse.Namespace, log: Any) -> MeshResult:
     with tempfile.TemporaryDirectory(prefix="hm-bench-scale-") as tmp:
         root = Path(tmp)
         recipe = root / "scale.yaml"
-        recipe.write_text(recipe_text(args.tasks))
+        recipe.write_text(recipe_text(args.tasks, block=args.block))
         mesh = LocalMesh(root / "mesh", agents=args.agents, slots=args.slots, fsync=False,
-                         agent_args=["--preset", args.preset], etcd_members=args.etcd_members)
+                         agent_args=["--preset", args.preset, "--watch", args.watch],
+                         etcd_members=args.etcd_members)
         started = time.perf_counter()
         try:
             mesh.start()
@@ -720,6 +721,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the agents' timing preset [lan]")
     m.add_argument("--etcd-members", type=int, default=1,
                    help="etcd members: 1, or a cluster of 3 or 5 on loopback [1]")
+    m.add_argument("--watch", choices=("all", "own"), default="all",
+                   help="the agents' --watch: own = blocks from the leader's offers [all]")
+    m.add_argument("--block", type=int, default=None,
+                   help="the recipe's batch (tasks per block) [automatic]")
     m.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     w = sub.add_parser("watchers", help="etcd alone: watch fan-out to W watchers")
     w.add_argument("--watchers", type=int, required=True)

@@ -182,14 +182,16 @@ def patch_agents(task_seconds: float, gossip: bool, own_gossip_connections: bool
         gossip_duty.CHANNEL_OPTIONS.append(LOCAL_POOL)
 
 
-def member_config(name: str, work_dir: Path, slots: int, lease_ttl: int) -> AgentConfig:
+def member_config(
+    name: str, work_dir: Path, slots: int, lease_ttl: int, watch: str = "all"
+) -> AgentConfig:
     """What ``hypermesh agent start --preset lan --name NAME --work-dir DIR --slots S
     --lease-ttl TTL --listen 127.0.0.1:0 --http-listen off --metrics-listen off
     --peer-sharing off --telemetry-period 3600 --gpus 0`` builds."""
     return AgentConfig.lan(
         name=name, listen="127.0.0.1:0", work_dir=work_dir, slots=slots, gpus=0,
         lease_ttl=lease_ttl, http_listen=None, metrics_listen=None, health_listen=None,
-        peer_sharing=False, telemetry_period=TELEMETRY_PERIOD_S,
+        peer_sharing=False, telemetry_period=TELEMETRY_PERIOD_S, watch=watch,
     )
 
 
@@ -292,8 +294,9 @@ class Members:
     """The members of this process: their agents and the tasks running them."""
 
     def __init__(self, root: Path, etcd_url: str, namespace: str, slots: int,
-                 lease_ttl: int) -> None:
+                 lease_ttl: int, watch: str = "all") -> None:
         self.root = root
+        self.watch = watch
         self.lease_ttl = lease_ttl
         self.etcd_url = etcd_url
         self.namespace = namespace
@@ -302,7 +305,8 @@ class Members:
         self.runs: list[asyncio.Task[None]] = []
 
     def add(self, name: str) -> daemon.Agent:
-        agent = daemon.Agent(member_config(name, self.root / name, self.slots, self.lease_ttl),
+        agent = daemon.Agent(member_config(name, self.root / name, self.slots, self.lease_ttl,
+                                           self.watch),
                              parse_endpoints(self.etcd_url), self.namespace)
         options = getattr(getattr(agent.etcd.client, "_manager", None), "grpc_options", None)
         if isinstance(options, list):  # its own connection to etcd, as on its own machine
@@ -406,7 +410,7 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
     env = {**os.environ, "HYPERMESH_ETCD": etcd.url, "HYPERMESH_NAMESPACE": args.namespace}
     etcd_pid = etcd.proc.pid if etcd.proc else -1
     members = Members(root / "members", etcd.url, args.namespace, args.slots,
-                      args.lease_ttl)
+                      args.lease_ttl, args.watch)
     result = Result(members=args.members, slots=args.slots, tasks=args.tasks,
                     gossip=not args.no_gossip)
     lag = LagProbe()
@@ -601,6 +605,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the members' log level (to a file in the temporary directory) [INFO]")
     p.add_argument("--keep-log", type=Path, default=None, metavar="FILE",
                    help="copy the members' log here before the temporary directory goes")
+    p.add_argument("--watch", choices=("all", "own"), default="all",
+                   help="the members' --watch: own = blocks from the leader's offers [all]")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name in ("members", "tasks", "slots", "batch"):

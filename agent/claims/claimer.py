@@ -154,6 +154,11 @@ class Claimer:
             if start is None:
                 if not blocks.wants_block():
                     return
+                if blocks.own:  # chosen from this node's offer; read from etcd once won
+                    bref = blocks.choose_offered(held_back)
+                    if bref is None or await blocks.claim_offered(bref) is None:
+                        return
+                    continue
                 if a.view.revision < a.written_revision:
                     return  # the watch will bring what we wrote, or what beat our claim
                 bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back)
@@ -161,8 +166,9 @@ class Claimer:
                     return
                 continue
             block, ref, n, started_at = start
+            params = block.params[ref.index - block.ref.first] if block.params else None
             a.attempts.start(Running(ClaimPlan(ref, n), block.fence, 0.0, block=block.ref,
-                                     started_at=started_at))
+                                     started_at=started_at, params=params))
 
     def _refused(self, revision: int) -> None:
         """A claim (of tasks or a block) lost at ``revision``: our view is older than

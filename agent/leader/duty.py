@@ -6,7 +6,8 @@ when they are large, ``hypermesh.state.blocks``), writes the tasks of samples ad
 creates the next trials of adaptive searches (Optuna runs in a thread), and records
 workflows' states; every write is fenced on the workflow's state revision the decision saw
 (``agent/leader/policy.py``). Then it publishes the summary of each running workflow that changed
-(``progress/<wid>``), at most every ``PROGRESS_S``.
+(``progress/<wid>``), at most every ``PROGRESS_S``, and the offers of blocks to nodes that
+do not watch them (``agent/leader/offers.py``).
 
 Nothing here must survive a change of leader: the next one recomputes everything from
 etcd, and what it does not know of what this one published it publishes again.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.agent.claims.wake_timer import WakeTimer
 from hypermesh.agent.leader import policy as leader
+from hypermesh.agent.leader.offers import Offers
 from hypermesh.errors import HypermeshError, LeaseLost, TransientError
 from hypermesh.recipe.sampling import expand_more, experiment_seed
 from hypermesh.state import search
@@ -74,11 +76,13 @@ class LeaderDuty:
         # The summaries this node published as leader (``progress/``), and when.
         self._published: dict[str, tuple[dict[str, Any] | None, float]] = {}
         self._progress_timer = WakeTimer(self._lead_again)
+        self.offers = Offers(agent)  # to nodes that do not watch the blocks (--watch own)
 
     def handed_over(self) -> None:
         """This node took over or handed over leadership: what another leader published
         meanwhile is unknown."""
         self._published.clear()
+        self.offers.handed_over()
 
     def _lead_again(self) -> None:
         self.dirty = True
@@ -104,6 +108,8 @@ class LeaderDuty:
                             exc_info=exc)
                 await self._fail(wid, action.state_revision, reason)
         await self._publish_progress()
+        if any(rec.offers for rec in self.agent.view.nodes.values()) or self.agent.view.offers:
+            await self.offers.publish()
 
     async def _carry_out(self, action: leader.Action) -> None:
         a = self.agent

@@ -258,7 +258,8 @@ class Attempts:
             self._open_attempt_path(ref, n)
             wf = self.view.workflows[ref.workflow]
             exp = wf.recipe.experiment(ref.experiment)
-            params = self.view.tasks.get(ref, {}).get("params", {})
+            params = (r.params if r.params is not None
+                      else self.view.tasks.get(ref, {}).get("params", {}))
             values = dict(params) | {
                 "workflow_id": ref.workflow,
                 "experiment": ref.experiment,

@@ -25,10 +25,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.errors import EtcdUnavailable
-from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
+from hypermesh.state.block_txns import (
+    claim_block,
+    claim_open_block,
+    flush_block,
+    lost_entries,
+    read_block,
+)
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
 from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import BlockRef, TaskRef
@@ -66,6 +72,7 @@ class HeldBlock:
     pending: dict[tuple[int, int], AttemptEntry] = field(default_factory=dict)
     results: list[ResultEntry] = field(default_factory=list)
     releasing: bool = False  # start nothing more; give the block back once idle
+    params: list[dict[str, Any]] | None = None  # read with the claim (``--watch own``)
 
     @property
     def complete(self) -> bool:
@@ -110,6 +117,38 @@ def choose_block(
     return None
 
 
+def _block_state(view: MeshView, bref: BlockRef) -> tuple[
+    dict[int, int], dict[int, int], list[tuple[int, int, str, float | None]], deque[int]
+]:
+    """What ``view`` says of ``bref``'s tasks: per index the last attempt number and
+    the counted failures, the attempts left running (index, attempt, node, start), and
+    the indices without a result, in order."""
+    size = view.blocks[(bref.workflow, bref.experiment)][bref.first]
+    attempts: dict[int, int] = {}
+    failures: dict[int, int] = {}
+    left: list[tuple[int, int, str, float | None]] = []
+    todo: deque[int] = deque()
+    for offset in range(size):
+        ref = bref.task(offset)
+        known = view.attempts.get(ref, {})
+        last = known[max(known)] if known else None
+        attempts[ref.index] = last.attempt if last else 0
+        failures[ref.index] = view.counted_failures(ref)
+        if last is not None and last.state == "running":
+            left.append((ref.index, last.attempt, last.node, last.started_at))
+        if ref not in view.results:
+            todo.append(ref.index)
+    return attempts, failures, left, todo
+
+
+def block_view(ks: Keyspace, kvs: list[Any]) -> MeshView:
+    """A view of one block alone, from its key and batches (``read_block``)."""
+    view = MeshView(ks)
+    for kv in kvs:
+        view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    return view
+
+
 class BlockHost(Protocol):
     """What :class:`BlockDuty` uses of its agent. It writes ``written_revision`` (never
     lowers it) and stops the processes of a lost block's attempts in ``running``."""
@@ -143,6 +182,20 @@ class BlockDuty:
         self._seq = 0
         self._flush_now = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
+        # ``--watch own``: offered blocks this node lost a claim of, or gave back, and the
+        # revision it did: an offer older than that is stale for them.
+        self._passed: dict[BlockRef, int] = {}
+
+    @property
+    def own(self) -> bool:
+        """This node chooses blocks from its offers and does not watch them."""
+        return self.agent.cfg.watch == "own"
+
+    def _wrote(self, revision: int) -> None:
+        """A block write of ours at ``revision``: a node that watches the blocks waits for
+        its view to reach it before claiming again; one that does not, never would."""
+        if not self.own:
+            self.agent.written_revision = max(self.agent.written_revision, revision)
 
     # ------------------------------------------------------------------ claiming
     def wants_block(self) -> bool:
@@ -162,21 +215,7 @@ class BlockDuty:
         agent, view = self.agent, self.agent.view
         view.settle(bref)  # every outcome recorded so far, and the attempts left running
         exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
-        size = view.blocks[(bref.workflow, bref.experiment)][bref.first]
-        attempts: dict[int, int] = {}
-        failures: dict[int, int] = {}
-        left: list[tuple[int, int, str, float | None]] = []
-        todo: deque[int] = deque()
-        for offset in range(size):
-            ref = bref.task(offset)
-            known = view.attempts.get(ref, {})
-            last = known[max(known)] if known else None
-            attempts[ref.index] = last.attempt if last else 0
-            failures[ref.index] = view.counted_failures(ref)
-            if last is not None and last.state == "running":
-                left.append((ref.index, last.attempt, last.node, last.started_at))
-            if ref not in view.results:
-                todo.append(ref.index)
+        attempts, failures, left, todo = _block_state(view, bref)
         if not todo:
             return None
         try:
@@ -189,12 +228,65 @@ class BlockDuty:
             raise
         if fence is None:
             return None
-        agent.written_revision = max(agent.written_revision, fence)
+        self._wrote(fence)
         block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
                           unfinished=set(todo))
         self.held[bref] = block
         lost = f"; {len(left)} attempts of its last holder lost" if left else ""
         agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
+        return block
+
+    def choose_offered(self, held_back: Collection[tuple[str, str]] = ()) -> BlockRef | None:
+        """The first block of this node's offer (``offer/<node>``) it may claim: not held
+        here, not passed since the offer was written, of live work whose image is here."""
+        view = self.agent.view
+        offered, revision = view.offers.get(self.agent.cfg.name, ((), 0))
+        self._passed = {b: r for b, r in self._passed.items() if b in offered}
+        for bref in offered:
+            if bref in self.held or self._passed.get(bref, 0) >= revision:
+                continue
+            if (bref.workflow, bref.experiment) in held_back:
+                continue
+            if bref.workflow not in view.workflows or (
+                view.workflow_state(bref.workflow) in TERMINAL
+                or view.experiment_cancelled(bref.workflow, bref.experiment)
+            ):
+                continue
+            return bref
+        return None
+
+    async def claim_offered(self, bref: BlockRef) -> HeldBlock | None:
+        """Claim ``bref``, then read its block and batches from etcd (``--watch own``:
+        the view has neither); the attempts its last holder left running are closed as
+        lost in the first flush."""
+        agent = self.agent
+
+        def refused(revision: int) -> None:
+            self._passed[bref] = revision
+
+        try:
+            fence = await claim_open_block(agent.etcd, agent.ks, bref, agent.cfg.name,
+                                           agent.lease, refused)
+            if fence is None:
+                return None
+            kvs = await read_block(agent.etcd, agent.ks, bref)
+        except EtcdUnavailable:
+            agent.unsure.block(bref)  # held or not: read back, given back when etcd is back
+            raise
+        exp = agent.view.workflows[bref.workflow].recipe.experiment(bref.experiment)
+        scratch = block_view(agent.ks, kvs)
+        attempts, failures, left, todo = _block_state(scratch, bref)
+        params = [scratch.tasks.get(bref.task(i), {}).get("params", {})
+                  for i in range(len(attempts))]
+        block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
+                          unfinished=set(todo), params=params)
+        for entry in lost_entries(left, time.time()):
+            block.pending[(entry.index, entry.attempt)] = entry
+        self.held[bref] = block
+        lost = f"; {len(left)} attempts of its last holder lost" if left else ""
+        agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
+        if left or not todo:
+            self._kick(len(block.pending), urgent=not todo)
         return block
 
     def next_start(self) -> tuple[HeldBlock, TaskRef, int, float] | None:
@@ -313,13 +405,14 @@ class BlockDuty:
             self._stop_attempts(block.ref, [block.ref.task(i - block.ref.first)
                                             for i in block.running])
             return
-        agent.written_revision = max(agent.written_revision, written)
+        self._wrote(written)
         for key, entry in flushed.items():
             if block.pending.get(key) is entry:  # not replaced by a later record meanwhile
                 del block.pending[key]
         del block.results[: len(results)]
         if release:
             self.held.pop(block.ref, None)
+            self._passed[block.ref] = written
             done = "done" if block.complete else "released"
             agent.decide(f"block {block.ref} {done}")
             agent.wake()

@@ -156,6 +156,7 @@ def images_wanted(view: MeshView, me: NodeRecord) -> dict[ExperimentKey, str]:
     framework's): live workflow, expanded, not cancelled, a single-node experiment whose
     hardware and pools fit this node, with open tasks or an unfinished free block."""
     wanted: dict[ExperimentKey, str] = {}
+    offered = {(b.workflow, b.experiment) for b in view.offers.get(me.name, ((), 0))[0]}
     for wf in view.workflows.values():
         if view.workflow_state(wf.id) in TERMINAL:
             continue
@@ -165,7 +166,9 @@ def images_wanted(view: MeshView, me: NodeRecord) -> dict[ExperimentKey, str]:
                 continue
             if view.experiment_cancelled(wf.id, exp.name) or not allowed_on(exp, me):
                 continue
-            if view.batched(wf.id, exp.name):
+            if (wf.id, exp.name) in offered:  # --watch own: blocks the leader offers it
+                work = True
+            elif view.batched(wf.id, exp.name):
                 work = any(
                     BlockRef(wf.id, exp.name, first) not in view.block_claims
                     and view.block_unfinished(BlockRef(wf.id, exp.name, first)) > 0

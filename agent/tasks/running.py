@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypermesh.agent.tasks.runner import AttemptProcess
 from hypermesh.state.keyspace import BlockRef
@@ -29,4 +30,5 @@ class Running:
     process: AttemptProcess | None = None
     task: asyncio.Task[None] | None = None
     block: BlockRef | None = None  # the held block it belongs to (agent/tasks/blocks.py)
+    params: dict[str, Any] | None = None  # the task's, when the view has none (a block's)
     started_at: float | None = None

@@ -156,6 +156,14 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
     help="Whether mounts fetch chunks from peers (and share cold reads) before the store.",
 )
 @click.option(
+    "--watch",
+    type=click.Choice(["all", "own"]),
+    default="all",
+    show_default=True,
+    help="all: watch the whole namespace. own: skip the blocks of batched experiments "
+    "and claim those the leader offers this node (for large meshes).",
+)
+@click.option(
     "--task-env",
     "task_env",
     multiple=True,
@@ -236,6 +244,7 @@ def agent_start(
     locality_delay: str,
     pool_delay: float | None,
     peer_sharing: str,
+    watch: str,
     task_env: tuple[str, ...],
     container_runtime: str,
     insecure: bool,
@@ -295,6 +304,7 @@ def agent_start(
     try:
         overrides["locality_delay"] = parse_locality_delay(locality_delay)
         overrides["peer_sharing"] = peer_sharing == "on"
+        overrides["watch"] = watch
         overrides["dashboard_token"] = dashboard_token(dashboard_token_file)
         env_hosts = os.environ.get("HYPERMESH_DASHBOARD_HOSTS", "").split(",")
         overrides["dashboard_hosts"] = (

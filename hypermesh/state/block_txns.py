@@ -5,6 +5,9 @@
   the attempts the last holder left running as lost, in the same transaction.
 - ``flush_block``: write one batch of attempt records and results, fenced on the
   claim's create revision; optionally release the claim in the same transaction.
+- ``claim_open_block`` and ``read_block``: the claim of a node that does not watch the
+  blocks (``agent start --watch own``): take a block nobody holds, then read what its
+  batches say; they are all older than the claim, which fences every later one.
 - ``claimable``: the compares of a claim, which ``hypermesh retry`` also uses to reopen
   failed tasks of a block nobody holds (``hypermesh.state.live``).
 """
@@ -80,3 +83,26 @@ async def flush_block(
         ops.append(etcd.op_delete(ks.block_claim(bref)))
     done = await etcd.txn([etcd.created_at(ks.block_claim(bref), fence)], ops)
     return done.revision if done.succeeded else None
+
+
+async def claim_open_block(
+    etcd: Etcd, ks: Keyspace, bref: BlockRef, node: str, lease: int,
+    refused: Callable[[int], None] | None = None,
+) -> int | None:
+    """Claim ``bref`` for ``node`` if nobody holds it, whatever its batches say; the
+    claim's create revision, or None (then ``refused`` is told the revision etcd
+    answered at). The claimer learns the block's state with ``read_block`` next."""
+    claim = {"node": node, "lease": lease, "started_at": time.time()}
+    done = await etcd.txn([etcd.absent(ks.block_claim(bref))],
+                          [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)])
+    if not done.succeeded and refused is not None:
+        refused(done.revision)
+    return done.revision if done.succeeded else None
+
+
+async def read_block(etcd: Etcd, ks: Keyspace, bref: BlockRef) -> list[Any]:
+    """The block's key and its batches, read at one revision (key-values, block first)."""
+    key, batches = ks.block(bref), ks.block_batches(bref)
+    kvs, _ = await etcd.get_prefix(key, ranges=[(key, key + "\0"),
+                                                (batches, batches[:-1] + "0")])
+    return kvs

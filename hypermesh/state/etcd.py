@@ -257,13 +257,15 @@ class Etcd:
             return None
         return resp.kvs[0].value, resp.kvs[0].mod_revision
 
-    async def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[Any], int]:
-        """All key-values under ``prefix`` (as of ``revision``, or now) and the revision
-        they were read at; read in pages (``pages``), so no answer nears gRPC's limit."""
+    async def get_prefix(self, prefix: str, revision: int = 0, ranges: Sequence[
+            tuple[str | None, str | None]] = ((None, None),)) -> tuple[list[Any], int]:
+        """The key-values under ``prefix`` (in ``ranges``, each ``[start, end)``) as of
+        ``revision`` (or now) and the revision read at, in pages (``pages``)."""
         kvs: list[Any] = []
         read_at = revision
-        async for page, read_at in self.pages(prefix, revision):  # noqa: B007
-            kvs += page
+        for start, end in ranges:
+            async for page, read_at in self.pages(prefix, read_at, start=start, end=end):  # noqa: B007,B020
+                kvs += page
         return kvs, read_at
 
     async def pages(
@@ -581,6 +583,7 @@ class Etcd:
         only: Sequence[str] = (),
         first: Sequence[str] = (),
         tidy: Callable[[], None] | None = None,
+        ranges: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Feed every key under ``prefix`` to ``apply``, then every change, forever.
 
@@ -593,6 +596,8 @@ class Etcd:
         each at one revision and followed through the one watch of ``prefix``: a
         change arrives after every change etcd made before it, under any of them,
         which separate watches per prefix cannot promise.
+        ``ranges``: only the keys in these ``[start, end)`` ranges, each watched on the
+        one stream: changes elsewhere are never sent (``Keyspace.own_ranges``).
 
         A (re)load applies the keys under ``first`` before the others (the load is one
         snapshot: any order gives the same state), and calls ``tidy`` every
@@ -606,9 +611,12 @@ class Etcd:
         while True:
             try:
                 if revision == 0:
-                    kvs, loaded_at = await self.get_prefix(wanted[0])
-                    for more in wanted[1:]:
-                        kvs += (await self.get_prefix(more, loaded_at))[0]
+                    if ranges:
+                        kvs, loaded_at = await self.get_prefix(prefix, ranges=ranges)
+                    else:
+                        kvs, loaded_at = await self.get_prefix(wanted[0])
+                        for more in wanted[1:]:
+                            kvs += (await self.get_prefix(more, loaded_at))[0]
                     revision = loaded_at  # only once all of it is loaded
                     if reset is not None:
                         reset()
@@ -630,9 +638,10 @@ class Etcd:
                 # Our own stream, which never reopens by itself: after any break the
                 # loop resumes after the last event it applied (etcd3aio's watch reopened
                 # from its last answer's header, which can skip events).
+                watched = ([(a.encode(), b.encode()) for a, b in ranges] if ranges
+                           else [(prefix.encode(), prefix_range_end(prefix))])
                 async with RangeWatch(
-                    self.client.watch._stub, [(prefix.encode(), prefix_range_end(prefix))],
-                    revision + 1, metadata=self._metadata(),
+                    self.client.watch._stub, watched, revision + 1, metadata=self._metadata(),
                 ) as watch:
                     async for change in watch:
                         for ev in change.events:

@@ -39,6 +39,9 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
   ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
   ``extend``, each guarded by the key's and the workflow state's revisions.
+- ``offer/<node>``: the blocks the leader offers a node that chooses from offers
+  (``agent start --watch own``, ``agent/leader/offers.py``); by the leader. Such a node
+  watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no other node's offer.
 - ``pool/<name>``: a pool's declaration (``hypermesh/state/pools.py``); by ``pool set``.
 - ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
   provider id, when); by the leader, deleted when the node is released or lost.
@@ -214,6 +217,18 @@ class Keyspace:
 
     def slot(self, wid: str, experiment: str, k: int) -> str:
         return f"{self.root}slot/{wid}/{experiment}/{k}"
+
+    def offer(self, node: str) -> str:
+        return f"{self.root}offer/{node}"
+
+    def own_ranges(self, node: str) -> list[tuple[str, str]]:
+        """The key ranges ``[start, end)`` a node that chooses blocks from its offers
+        watches: the namespace but the three block kinds (which sort together, from
+        ``bclaim/`` to ``block/``) and the other nodes' offers. What a task of a block
+        costs such a node is then its own claim and flushes, whatever the mesh's size."""
+        r, mine = self.root, self.offer(node)
+        return [(r, f"{r}bclaim/"), (f"{r}block0", f"{r}offer/"),
+                (mine, mine + "\0"), (f"{r}offer0", r[:-1] + chr(ord(r[-1]) + 1))]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:

@@ -110,6 +110,8 @@ class Mirror:
         self.usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
+        # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
+        self.offers: dict[str, tuple[tuple[BlockRef, ...], int]] = {}
         # Batched experiments (hypermesh/state/blocks.py), expanded into the tables above: a
         # block's tasks into ``tasks``, a batch's records into ``attempts`` and
         # ``results``, and the running attempts of a held block into ``claims`` (a
@@ -184,6 +186,13 @@ class Mirror:
             self.nodes[parts[0]] = NodeRecord.from_json(data)
             if parts[0] in self.instances:
                 self.booted.add(parts[0])
+
+    def _apply_offer(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        if data is None:
+            self.offers.pop(parts[0], None)
+        else:
+            blocks = tuple(BlockRef(str(w), str(e), int(f)) for w, e, f in data["blocks"])
+            self.offers[parts[0]] = (blocks, mrev)
 
     def _apply_elect(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:

@@ -56,6 +56,9 @@ class NodeRecord:
     pulling: dict[str, str] = field(default_factory=dict)
     """``WORKFLOW/EXPERIMENT`` -> image: the experiments whose tasks the node leaves
     unclaimed while it pulls their image (``agent/tasks/images.py``)."""
+    offers: bool = False
+    """The node chooses blocks from the leader's offers (``offer/<name>``) and watches
+    only part of the namespace (``agent start --watch own``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

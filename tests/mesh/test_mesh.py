@@ -33,10 +33,14 @@ def successes(task: dict) -> int:
     return sum(1 for a in task["attempts"] if a["state"] == "succeeded")
 
 
-@pytest.mark.parametrize("batch", ["", "    batch: 3\n"], ids=["per-task", "blocks"])
-def test_three_agents_survive_the_death_of_one(mesh: Mesh, batch: str) -> None:
+@pytest.mark.parametrize(
+    ("batch", "watch"),
+    [("", "all"), ("    batch: 3\n", "all"), ("    batch: 3\n", "own")],
+    ids=["per-task", "blocks", "offered-blocks"],
+)
+def test_three_agents_survive_the_death_of_one(mesh: Mesh, batch: str, watch: str) -> None:
     for name in ("node1", "node2", "node3"):
-        mesh.agent(name, slots=2)
+        mesh.agent(name, slots=2, extra=("--watch", watch))
     recipe = mesh.write_recipe(
         f"experiments:\n  work:\n    samples: 12\n{batch}    command: ['sleep 3']\n"
     )
@@ -101,6 +105,52 @@ experiments:
     assert status["state"] == "succeeded"  # the second experiment was expanded by the new leader
     again = mesh.hm("submit", str(recipe), "--wait", timeout=60)
     assert again.returncode == 0, again.stderr
+
+
+def test_nodes_that_watch_their_own_part_run_offered_blocks_through_a_failover(
+    mesh: Mesh,
+) -> None:
+    """``--watch own`` everywhere: the nodes claim the blocks the leader offers them; when
+    the leader dies holding blocks, a follower widens its watch and leads, and every
+    task succeeds exactly once."""
+    for name in ("node1", "node2", "node3"):
+        mesh.agent(name, slots=2, extra=("--watch", "own"))
+    leader = next(n["name"] for n in mesh.hm_json("nodes") if n["leader"])
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  first:
+    samples: 12
+    batch: 2
+    command: ['for i in $(seq 400); do [ -e go ] && break; sleep 0.05; done']
+  second:
+    after: [first]
+    samples: 6
+    batch: 3
+    command: ['true']
+"""
+    )
+    wid = mesh.submit(recipe)
+
+    def leader_runs() -> bool:
+        return any(t["state"] == "running" and t["node"] == leader
+                   for t in mesh.hm_json("tasks", wid))
+
+    wait_for(leader_runs, 30, "the leader to run a task of a block")
+    mesh.agents[leader].crash()
+    wait_for(lambda: any(n["leader"] and n["name"] != leader for n in mesh.hm_json("nodes")),
+             15, "a new leader")
+    (recipe.parent / "go").touch()
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded"
+    tasks = mesh.hm_json("tasks", wid)
+    assert len(tasks) == 18 and all(successes(t) == 1 for t in tasks)
+    lost = [t for t in tasks if any(a["node"] == leader and a["reason"] == "node-lost"
+                                   for a in t["attempts"])]
+    assert lost and all(t["attempts"][-1]["node"] != leader for t in lost)
+    logs = mesh.logs()
+    assert "elected: watching the whole namespace" in logs
+    assert sum(f"{n}: claimed block" in logs for n in ("node1", "node2", "node3")) >= 2
 
 
 def candidacies(mesh: Mesh) -> list[str]:
