@@ -227,13 +227,15 @@ def main() -> int:
                              "(the method before 2026-11-26), not once the mesh settled")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every gRPC connection (a mesh CA made for the run)")
+    parser.add_argument("--watch", choices=("all", "own"), default="all",
+                        help="the agents' --watch (own: blocks from the leader's offers)")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="hm-recovery-"))
     # Default settings: the lan preset (lease TTL 10 s, leader TTL 2 s).
-    mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots, agent_args=["--preset", "lan"],
-                     tls=opts.tls)
+    mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots,
+                     agent_args=["--preset", "lan", "--watch", opts.watch], tls=opts.tls)
     mesh.start()
     try:
         env = dict(os.environ, **mesh.env())

@@ -47,7 +47,7 @@ def claimable(view: MeshView, bref: BlockRef) -> bool:
 
 def plan_offers(
     view: MeshView, cursors: dict[tuple[str, str], int] | None = None,
-    ahead: int = OFFER_AHEAD,
+    ahead: int = OFFER_AHEAD, current: dict[str, tuple[BlockRef, ...] | None] | None = None,
 ) -> dict[str, tuple[BlockRef, ...]]:
     """What each live node that chooses from offers should be offered now.
 
@@ -56,14 +56,15 @@ def plan_offers(
     dependency order, blocks in order), each block to one node. ``cursors`` (per
     experiment, the position of its first block that was not finished) lets a round
     skip the finished blocks a former round passed; the caller keeps it between rounds.
+    ``current``: the offers as last written, where the view may not show them yet.
     """
     nodes = {name: rec for name, rec in sorted(view.nodes.items())
              if rec.offers and rec.state == "alive"}
     taken: set[BlockRef] = set()
     plan: dict[str, list[BlockRef]] = {}
     for name, rec in nodes.items():
-        kept = [b for b in view.offers.get(name, ((), 0))[0]
-                if b not in taken and _open_to(view, b, rec) and claimable(view, b)]
+        now = (current or {}).get(name, view.offers.get(name, ((), 0))[0]) or ()
+        kept = [b for b in now if b not in taken and _open_to(view, b, rec) and claimable(view, b)]
         plan[name] = kept[:ahead]
         taken.update(plan[name])
     hungry = [name for name in nodes if len(plan[name]) < ahead]
@@ -150,7 +151,7 @@ class Offers:
         if now >= self._rescan_at:
             self._cursors.clear()
             self._rescan_at = now + RESCAN_S
-        wanted = plan_offers(view, self._cursors)
+        wanted = plan_offers(view, self._cursors, current=self._written)
         ops: list[Any] = []
         etcd, ks = self.agent.etcd, self.agent.ks
         for name, blocks in wanted.items():

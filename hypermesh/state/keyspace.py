@@ -41,7 +41,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   ``extend``, each guarded by the key's and the workflow state's revisions.
 - ``offer/<node>``: the blocks the leader offers a node that chooses from offers
   (``agent start --watch own``, ``agent/leader/offers.py``); by the leader. Such a node
-  watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no other node's offer.
+  watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no other node's offer,
+  no progress summary.
 - ``pool/<name>``: a pool's declaration (``hypermesh/state/pools.py``); by ``pool set``.
 - ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
   provider id, when); by the leader, deleted when the node is released or lost.
@@ -224,11 +225,13 @@ class Keyspace:
     def own_ranges(self, node: str) -> list[tuple[str, str]]:
         """The key ranges ``[start, end)`` a node that chooses blocks from its offers
         watches: the namespace but the three block kinds (which sort together, from
-        ``bclaim/`` to ``block/``) and the other nodes' offers. What a task of a block
+        ``bclaim/`` to ``block/``), the other nodes' offers and the progress summaries
+        (for the CLI; the leader writes them every second). What a task of a block
         costs such a node is then its own claim and flushes, whatever the mesh's size."""
         r, mine = self.root, self.offer(node)
-        return [(r, f"{r}bclaim/"), (f"{r}block0", f"{r}offer/"),
-                (mine, mine + "\0"), (f"{r}offer0", r[:-1] + chr(ord(r[-1]) + 1))]
+        return [(r, f"{r}bclaim/"), (f"{r}block0", f"{r}offer/"), (mine, mine + "\0"),
+                (f"{r}offer0", f"{r}progress/"),
+                (f"{r}progress0", r[:-1] + chr(ord(r[-1]) + 1))]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:

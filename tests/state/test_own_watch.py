@@ -44,9 +44,9 @@ def test_the_own_mirror_sees_neither_blocks_nor_other_offers(etcd_server: EtcdSe
     bref = BlockRef("w1", "e", 0)
     kinds = {
         "seen": [ks.node("n1"), ks.workflow_state("w1"), ks.offer("n1"), ks.result(bref.task(0)),
-                 ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.progress("w1")],
+                 ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.workflow("w1")],
         "unseen": [ks.block(bref), ks.block_claim(bref), ks.block_batch(bref, 7, 1),
-                   ks.offer("n10"), ks.offer("n"), ks.offer("n2")],
+                   ks.offer("n10"), ks.offer("n"), ks.offer("n2"), ks.progress("w1")],
     }
 
     async def scenario(etcd: Etcd) -> None:
