@@ -53,7 +53,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         agents=opts.agents,
         slots=opts.slots,
         fsync=False,
-        agent_args=["--lease-ttl", str(opts.ttl)],
+        agent_args=["--lease-ttl", str(opts.ttl), "--watch", opts.watch],
     )
     try:
         mesh.start()  # stops what it started if it fails
@@ -157,6 +157,8 @@ def main() -> int:
         "--batch", type=int, default=None,
         help="tasks per block (1: per-task keys; default: chosen by the leader)",
     )
+    parser.add_argument("--watch", choices=("all", "own"), default="all",
+                        help="the agents' --watch (own: blocks from the leader's offers)")
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
     report = run(opts)

@@ -14,10 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("batch", [[], ["--batch", "1"]], ids=["blocks", "per-task"])
+@pytest.mark.parametrize(
+    "batch", [[], ["--batch", "1"], ["--watch", "own"]],
+    ids=["blocks", "per-task", "offered-blocks"],
+)
 def test_chaos_small(batch: list[str], tmp_path: Path) -> None:
-    """150 tasks on 9 slots: the leader writes them in blocks of 4 unless told 1. A run
-    that passed leaves no work directory behind."""
+    """150 tasks on 9 slots: the leader writes them in blocks of 4 unless told 1 (and
+    with ``--watch own`` offers the blocks). A run that passed leaves no work directory
+    behind."""
     result = subprocess.run(
         [
             sys.executable,
