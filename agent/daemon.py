@@ -80,11 +80,12 @@ from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, keepalive_inter
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import NodeRecord, dumps
-from hypermesh.state.view import MeshView
+from hypermesh.state.view import MeshView, load_view
 
 log = logging.getLogger("hypermesh.agent")
 
 STOP_STEP_S = 5.0  # longest wait for each step of stopping
+SNAPSHOT_S = 2.0  # longest a --watch own node's dashboard reuses a view read from etcd
 
 
 def bind_dashboard(listen: str) -> socket.socket:
@@ -180,6 +181,8 @@ class Agent:
             self.view_whole.set()
         self._mirror: asyncio.Task[None] | None = None
         self._widening = False
+        self._snapshot: tuple[float, MeshView] | None = None  # read_view's, when partial
+        self._snapshot_lock = asyncio.Lock()
         self.wakeup = asyncio.Event()
         # Agents gossip with lan timings in every preset: real gRPC round trips
         # between Python processes on a loaded 2-core machine need them.
@@ -345,6 +348,18 @@ class Agent:
         logs, metrics, the dashboard); scheduling reads ``view``."""
         self.view.settle()
         return self.view
+
+    async def read_view(self) -> MeshView:
+        """What readers of per-task state on request (the dashboard, logs) read: the full
+        view; on a node that watches only its own part (``--watch own``), a snapshot of
+        the namespace read from etcd, at most ``SNAPSHOT_S`` old, as the CLI reads it."""
+        if self.view_whole.is_set():
+            return self.full_view()
+        async with self._snapshot_lock:
+            if self._snapshot is None or time.monotonic() - self._snapshot[0] > SNAPSHOT_S:
+                self._snapshot = (time.monotonic(),
+                                  await load_view(self.etcd, self.ks, fold=True))
+            return self._snapshot[1]
 
     def wake(self) -> None:
         """Wake the scheduling loop: something it acts on may have changed."""

@@ -70,7 +70,7 @@ class ServedAgent(Protocol):
 
     def record(self) -> NodeRecord: ...
 
-    def full_view(self) -> MeshView: ...
+    async def read_view(self) -> MeshView: ...
 
     def request_drain(self, grace: float | None = None, why: str = ...) -> None: ...
 
@@ -120,7 +120,7 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # A silent attempt that succeeded has no log file (agent/tasks/runner.py).
-        attempts = a.full_view().attempts.get(ref, {})
+        attempts = (await a.read_view()).attempts.get(ref, {})
         ran_here = {n for n, at in attempts.items() if at.node == a.cfg.name}
         attempt = request.attempt
         if attempt <= 0:

@@ -198,7 +198,7 @@ class AgentConfig:
     and the other nodes' offers; it claims the blocks the leader offers it
     (``offer/<name>``) and reads a block from etcd once it holds it, so a task costs
     it nothing unless it runs it. It watches everything once it leads. Its dashboard
-    shows no task of a block: read those with the CLI or on the leader."""
+    reads what it shows from etcd on request."""
 
     peer_sharing: bool = True
     """Whether this node's data set mounts ask the agent for chunks that peers hold

@@ -84,7 +84,7 @@ class DashboardAgent(Protocol):
     telemetry: Telemetry
     metrics_address: str
 
-    def full_view(self) -> MeshView: ...
+    async def read_view(self) -> MeshView: ...
 
 
 class Dashboard:
@@ -103,9 +103,9 @@ class Dashboard:
             response.enable_compression()  # gzip when the browser takes it
         return response
 
-    def _summaries(self, wids: list[str]) -> list[dict[str, Any]]:
+    @staticmethod
+    def _summaries(view: MeshView, wids: list[str]) -> list[dict[str, Any]]:
         """``status --json`` of these workflows, cost included, from the agent's view."""
-        view = self.agent.full_view()
         pools = parse_pools(view.pools)
         return [
             view.workflow_summary(w)
@@ -114,19 +114,19 @@ class Dashboard:
         ]
 
     async def workflows(self, request: web.Request) -> web.Response:
-        view = self.agent.full_view()
+        view = await self.agent.read_view()
         ids = sorted(view.workflows, key=lambda w: view.workflows[w].submitted_at, reverse=True)
         return web.json_response(
             {
                 "node": self.agent.cfg.name,
                 "leader": view.leader(),
                 "namespace": self.agent.ks.namespace,
-                "workflows": self._summaries(ids),
+                "workflows": self._summaries(view, ids),
             }
         )
 
     async def workflow(self, request: web.Request) -> web.Response:
-        view = self.agent.full_view()
+        view = await self.agent.read_view()
         wid = request.match_info["wid"]
         wf = view.workflows.get(wid)
         if wf is None:
@@ -146,14 +146,14 @@ class Dashboard:
             )
         return web.json_response(
             {
-                "status": self._summaries([wid])[0],
+                "status": self._summaries(view, [wid])[0],
                 "dag": dag,
                 "tasks": view.task_rows(wid),
             }
         )
 
     async def trials(self, request: web.Request) -> web.Response:
-        view = self.agent.full_view()
+        view = await self.agent.read_view()
         wid = request.match_info["wid"]
         if wid not in view.workflows:
             raise _error(web.HTTPNotFound, f"no workflow {wid!r}")
@@ -169,7 +169,7 @@ class Dashboard:
 
     async def nodes(self, request: web.Request) -> web.Response:
         a = self.agent
-        view = a.full_view()
+        view = await a.read_view()
         rows = node_rows(view, gossip_table(a.gossip.members()), a.cfg.name, True)
         telemetry = await self._telemetry([r["name"] for r in rows if r["address"]])
         for row in rows:
@@ -204,7 +204,7 @@ class Dashboard:
         except ValueError as exc:
             raise _error(web.HTTPBadRequest, str(exc)) from exc
         a = self.agent
-        attempts = a.full_view().attempts.get(ref, {})
+        attempts = (await a.read_view()).attempts.get(ref, {})
         n = attempt or (max(attempts) if attempts else 0)
         chunks: list[bytes] = []
         notes: list[str] = []

@@ -36,8 +36,9 @@ import grpc
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.channels import agent_channel
 from hypermesh.errors import HypermeshError, NoSuchObject, NotFound
+from hypermesh.state.block_txns import read_block
 from hypermesh.state.etcd import Etcd
-from hypermesh.state.keyspace import Keyspace, TaskRef
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.view import MeshView
 from hypermesh.task_outputs import store_prefix
 
@@ -194,6 +195,29 @@ class LogShipper:
 
 
 # ----------------------------------------------------------------------------- reading
+KEYS_PER_READ = 4096
+"""Block keys read at a time while looking for the block of a task."""
+
+
+async def _block_of(etcd: Etcd, ks: Keyspace, ref: TaskRef) -> BlockRef | None:
+    """The block holding task ``ref``, if its experiment was written in blocks: the one
+    with the highest first index at or below the task's (read by keys, a page at a time:
+    block keys sort as strings, not by number)."""
+    prefix = ks.kind_prefix("block", ref.workflow) + ref.experiment + "/"
+    best: int | None = None
+    start: str | None = None
+    while True:
+        keys = await etcd.keys(prefix, KEYS_PER_READ, start)
+        for key in keys:
+            first = int(key.decode()[len(prefix):])
+            if first <= ref.index and (best is None or first > best):
+                best = first
+        if len(keys) < KEYS_PER_READ:
+            break
+        start = keys[-1].decode() + "\0"
+    return None if best is None else BlockRef(ref.workflow, ref.experiment, best)
+
+
 async def locate_attempt(
     etcd: Etcd, ks: Keyspace, ref: TaskRef, attempt: int
 ) -> tuple[int, str, str | None]:
@@ -203,6 +227,12 @@ async def locate_attempt(
     for kv in kvs:
         view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
     attempts = view.attempts.get(ref, {})
+    if not attempts:  # a task of a block: its attempts are in the block's batches
+        bref = await _block_of(etcd, ks, ref)
+        if bref is not None:
+            for kv in await read_block(etcd, ks, bref):
+                view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+            attempts = view.attempts.get(ref, {})
     if not attempts:
         wid, exp = ref.workflow, ref.experiment
         for key in (ks.workflow(wid), ks.expanded(wid, exp), ks.experiment_control(wid, exp)):

@@ -503,11 +503,11 @@ class Etcd:
                                     last_ok + give_up - clock()))
 
     # ------------------------------------------------------------------ upkeep
-    async def keys(self, prefix: str, limit: int) -> list[bytes]:
-        """The first ``limit`` keys under ``prefix``, in key order, without values."""
+    async def keys(self, prefix: str, limit: int, start: str | None = None) -> list[bytes]:
+        """The first ``limit`` keys under ``prefix`` (from ``start``), without values."""
         resp = await self._call(
             "range",
-            functools.partial(self.kv.get, prefix, range_end=prefix_range_end(prefix),
+            functools.partial(self.kv.get, start or prefix, range_end=prefix_range_end(prefix),
                               limit=limit, keys_only=True, timeout=self.timeout),
         )
         return [kv.key for kv in resp.kvs]

@@ -7,20 +7,23 @@ CLI all derive states through these methods, so ``hypermesh status`` and the sch
 never disagree.
 
 The methods here only read: the tables, and who may change them, are
-``hypermesh.state.mirror.Mirror``'s. No I/O, no clock.
+``hypermesh.state.mirror.Mirror``'s. No I/O, no clock, but in ``load_view``, which reads a
+whole view from etcd (for the CLI, and for a node that watches only its own part).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hypermesh.errors import NotFound
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.recipe.sampling import planned_count
 from hypermesh.state.fit import unmet_needs
+from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.gangs import waiting_reason
-from hypermesh.state.keyspace import TaskRef
+from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.mirror import Mirror
 from hypermesh.state.records import (
     COUNTED_REASONS,
@@ -29,6 +32,9 @@ from hypermesh.state.records import (
     ExperimentSummary,
     WorkflowRecord,
 )
+
+if TYPE_CHECKING:
+    from hypermesh.state.etcd import Etcd
 
 
 class MeshView(Mirror):
@@ -326,3 +332,68 @@ class MeshView(Mirror):
         result = self.results.get(ref)
         attempt = self.attempts.get(ref, {}).get(result.attempt) if result else None
         return attempt is not None and attempt.reason == "pruned"
+
+
+BLOCKS_PER_READ = 64
+"""Blocks ``load_view`` reads at a time, each time with their batches: what it holds of
+a large workflow before folding it (64 blocks: at most 16,384 tasks)."""
+
+
+async def load_view(
+    etcd: Etcd, ks: Keyspace, wid: str | None = None, *, fold: bool = False
+) -> MeshView:
+    """A view of the whole namespace, or of one workflow (raises NotFound), read in pages
+    at one revision.
+
+    With ``fold`` (``status``), settled blocks past ``FOLD_AFTER_TASKS`` are kept as
+    counts (``hypermesh/state/folding.py``): enough for every summary, in memory
+    bounded whatever the workflow's size. For that, blocks are read a page at a time,
+    each page after the batches of its blocks (``bdone`` keys sort as ``block`` keys
+    do), so that a settled block folds as it arrives, without per-task records."""
+    view = MeshView(ks)
+    if fold:
+        view.fold_after = FOLD_AFTER_TASKS
+        view.defer_batches = True  # a batch waits for its block, then folds with it
+    blocks, batches = ks.kind_prefix("block", wid), ks.kind_prefix("bdone", wid)
+    done: tuple[str, ...] = (blocks, batches)  # read first, skipped in the rest
+    if wid is None:
+        done += (ks.kind_prefix("wf"),)  # what folding needs to know of an experiment
+        rest = [ks.kind_prefix("wf"), ks.root]
+    else:
+        for key in (ks.workflow(wid), ks.workflow_state(wid)):
+            found = await etcd.get(key)
+            if found is not None:
+                view.apply(key, found[0], 0, found[1])
+        if wid not in view.workflows:
+            raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
+        rest = [p for p in ks.workflow_prefixes(wid) if p.endswith("/") and p not in done]
+        rest.append(ks.nodes)  # how many nodes could run a waiting gang
+
+    def apply(kvs: list[Any], skip: tuple[str, ...] = ()) -> None:
+        for kv in kvs:
+            key = kv.key.decode()
+            if not (skip and key.startswith(skip)):
+                view.apply(key, kv.value, kv.create_revision, kv.mod_revision)
+        view.fold_settled()
+
+    at = 0  # every range read at the revision of the first page
+    if wid is None:  # workflows first
+        async for kvs, read_at in etcd.pages(rest.pop(0), at):
+            at = read_at
+            apply(kvs)
+    cursor = batches
+    async for kvs, read_at in etcd.pages(blocks, at, most=BLOCKS_PER_READ):
+        at = read_at
+        if kvs:  # first the batches of these blocks: up to the last one's, "S/..." < "S0"
+            upto = batches + kvs[-1].key.decode()[len(blocks):] + "0"
+            async for more, _ in etcd.pages(batches, at, start=cursor, end=upto):
+                apply(more)
+            cursor = upto
+        apply(kvs)  # a settled block folds as it arrives, its batches in hand
+    async for more, _ in etcd.pages(batches, at, start=cursor):  # batches of no block
+        apply(more)
+    for prefix in rest:  # page by page, each applied and dropped
+        async for kvs, _ in etcd.pages(prefix, at):
+            apply(kvs, done)
+    view.set_defer_batches(False)
+    return view

@@ -12,6 +12,7 @@ import pytest
 
 from hypermesh.agent.leader.policy import BACKLOG_MIN_TASKS
 from hypermesh.cli import common
+from hypermesh.state import view as view_module
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh
@@ -49,7 +50,7 @@ experiments:
     assert f"{TASKS - 5} more task(s) not listed" in listed.stderr
 
     # Folded to counts (every settled block), status reads as from the full records.
-    monkeypatch.setattr(common, "FOLD_AFTER_TASKS", 0)
+    monkeypatch.setattr(view_module, "FOLD_AFTER_TASKS", 0)
 
     async def both() -> tuple[dict, dict, int]:
         ks = Keyspace(mesh.namespace)

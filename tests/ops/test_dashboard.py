@@ -138,6 +138,37 @@ def test_dashboard_endpoints_answer_json(mesh: Mesh) -> None:
     assert body["nodes"][0]["http"] == node.http_address
 
 
+def test_a_node_that_watches_its_own_part_shows_every_task_of_a_block(mesh: Mesh) -> None:
+    """``--watch own``: the follower's mirror has no block, so its dashboard reads the
+    namespace from etcd on request, and shows what the leader's shows."""
+    nodes = [mesh.agent(n, slots=2, extra=("--watch", "own")) for n in ("node1", "node2")]
+    leader = next(n["name"] for n in mesh.hm_json("nodes") if n["leader"])
+    follower = next(n for n in nodes if n.name != leader)
+    wid = mesh.submit(mesh.write_recipe(
+        'experiments:\n  say:\n    samples: 6\n    batch: 2\n'
+        '    command: ["echo hi-{{task_index}}"]\n'), "--wait")
+
+    def get(node: object, path: str) -> dict:
+        try:
+            with urllib.request.urlopen(f"http://{node.http_address}{path}", timeout=10) as r:  # type: ignore[attr-defined]
+                return json.load(r)
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{path}: {exc.code} {exc.read()!r}") from exc
+
+    tasks = mesh.hm_json("tasks", wid)
+    assert len(tasks) == 6 and all(t["state"] == "succeeded" for t in tasks)
+    shown = get(follower, f"/api/workflows/{wid}")
+    assert shown["tasks"] == tasks
+    assert shown["status"]["state"] == "succeeded"
+    ran_here = next(t for t in tasks if t["node"] == follower.name)
+    log = get(follower, f"/api/logs/{wid}.say.{ran_here['index']}")
+    assert f"hi-{ran_here['index']}" in log["text"]
+    # The CLI finds a block task's attempt in the block's batches too.
+    for t in tasks:
+        out = mesh.hm("logs", f"{wid}.say.{t['index']}", check=True)
+        assert f"hi-{t['index']}" in out.stdout
+
+
 def test_dashboard_says_why_tasks_no_live_node_can_run_wait(
     mesh: Mesh, browser: WebDriver
 ) -> None:
