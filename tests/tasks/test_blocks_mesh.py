@@ -11,12 +11,18 @@ import asyncio
 import os
 import signal
 
+import pytest
+
 from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid
 from tests.mesh.test_mesh import successes
+
+# Every test with both kinds of node: one that watches the blocks and chooses one itself,
+# and one that claims the blocks the leader offers it (``--watch own``).
+WATCH = pytest.mark.parametrize("watch", ["all", "own"])
 
 
 def keys_of(mesh: Mesh, kind: str, wid: str) -> list[str]:
@@ -28,9 +34,10 @@ def keys_of(mesh: Mesh, kind: str, wid: str) -> list[str]:
     return asyncio.run(read())
 
 
-def test_a_batched_experiment_runs_every_task_once_in_blocks(mesh: Mesh) -> None:
+@WATCH
+def test_a_batched_experiment_runs_every_task_once_in_blocks(mesh: Mesh, watch: str) -> None:
     for name in ("node1", "node2", "node3"):
-        mesh.agent(name, slots=2)
+        mesh.agent(name, slots=2, extra=("--watch", watch))
     recipe = mesh.write_recipe(
         """
 experiments:
@@ -62,8 +69,9 @@ experiments:
     assert keys_of(mesh, "bclaim", wid) == []
 
 
-def test_a_paused_holder_loses_its_block_and_its_late_results(mesh: Mesh) -> None:
-    paused = mesh.agent("node1")
+@WATCH
+def test_a_paused_holder_loses_its_block_and_its_late_results(mesh: Mesh, watch: str) -> None:
+    paused = mesh.agent("node1", extra=("--watch", watch))
     recipe = mesh.write_recipe(
         """
 experiments:
@@ -81,7 +89,7 @@ experiments:
     assert paused.proc is not None
     os.kill(paused.proc.pid, signal.SIGSTOP)  # the node freezes past its 3 s lease
     try:
-        mesh.agent("node2")
+        mesh.agent("node2", extra=("--watch", watch))
         status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
         assert status["state"] == "succeeded"
     finally:
@@ -97,8 +105,9 @@ experiments:
     ]
 
 
-def test_failed_tasks_retry_in_their_block_and_retry_reopens_them(mesh: Mesh) -> None:
-    mesh.agent("node1", slots=2)
+@WATCH
+def test_failed_tasks_retry_in_their_block_and_retry_reopens_them(mesh: Mesh, watch: str) -> None:
+    mesh.agent("node1", slots=2, extra=("--watch", watch))
     marker = mesh.root / "fixed"
     recipe = mesh.write_recipe(
         f"""
@@ -125,8 +134,9 @@ experiments:
     assert [a["state"] for a in task["attempts"]] == ["failed", "failed", "succeeded"]
 
 
-def test_cancel_stops_a_held_block(mesh: Mesh) -> None:
-    agent = mesh.agent("node1", slots=2)
+@WATCH
+def test_cancel_stops_a_held_block(mesh: Mesh, watch: str) -> None:
+    agent = mesh.agent("node1", slots=2, extra=("--watch", watch))
     recipe = mesh.write_recipe(
         "experiments:\n  long:\n    samples: 8\n    batch: 4\n"
         "    command: ['echo $$ > \"$HM_ATTEMPT_DIR/pid\"; exec sleep 60']\n"
