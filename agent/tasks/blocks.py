@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hypermesh.errors import EtcdUnavailable
 from hypermesh.state.block_txns import (
+    block_view,
     claim_block,
     claim_open_block,
     flush_block,
@@ -139,14 +140,6 @@ def _block_state(view: MeshView, bref: BlockRef) -> tuple[
         if ref not in view.results:
             todo.append(ref.index)
     return attempts, failures, left, todo
-
-
-def block_view(ks: Keyspace, kvs: list[Any]) -> MeshView:
-    """A view of one block alone, from its key and batches (``read_block``)."""
-    view = MeshView(ks)
-    for kv in kvs:
-        view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
-    return view
 
 
 class BlockHost(Protocol):

@@ -36,7 +36,7 @@ import grpc
 from hypermesh._proto import agent_pb2, agent_pb2_grpc
 from hypermesh.channels import agent_channel
 from hypermesh.errors import HypermeshError, NoSuchObject, NotFound
-from hypermesh.state.block_txns import read_block
+from hypermesh.state.block_txns import block_view, read_block
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.view import MeshView
@@ -230,8 +230,7 @@ async def locate_attempt(
     if not attempts:  # a task of a block: its attempts are in the block's batches
         bref = await _block_of(etcd, ks, ref)
         if bref is not None:
-            for kv in await read_block(etcd, ks, bref):
-                view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+            view = block_view(ks, await read_block(etcd, ks, bref))
             attempts = view.attempts.get(ref, {})
     if not attempts:
         wid, exp = ref.workflow, ref.experiment

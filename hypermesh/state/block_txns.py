@@ -7,7 +7,8 @@
   claim's create revision; optionally release the claim in the same transaction.
 - ``claim_open_block`` and ``read_block``: the claim of a node that does not watch the
   blocks (``agent start --watch own``): take a block nobody holds, then read what its
-  batches say; they are all older than the claim, which fences every later one.
+  batches say (``block_view``); they are all older than the claim, which fences every
+  later one.
 - ``claimable``: the compares of a claim, which ``hypermesh retry`` also uses to reopen
   failed tasks of a block nobody holds (``hypermesh.state.live``).
 """
@@ -22,6 +23,7 @@ from hypermesh.state.blocks import AttemptEntry, Batch
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace
 from hypermesh.state.records import dumps
+from hypermesh.state.view import MeshView
 
 
 def lost_entries(
@@ -106,3 +108,11 @@ async def read_block(etcd: Etcd, ks: Keyspace, bref: BlockRef) -> list[Any]:
     kvs, _ = await etcd.get_prefix(key, ranges=[(key, key + "\0"),
                                                 (batches, batches[:-1] + "0")])
     return kvs
+
+
+def block_view(ks: Keyspace, kvs: Sequence[Any]) -> MeshView:
+    """A view of one block alone, from its key and batches (``read_block``)."""
+    view = MeshView(ks)
+    for kv in kvs:
+        view.apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+    return view

@@ -228,10 +228,10 @@ class Keyspace:
         ``bclaim/`` to ``block/``), the other nodes' offers and the progress summaries
         (for the CLI; the leader writes them every second). What a task of a block
         costs such a node is then its own claim and flushes, whatever the mesh's size."""
+        # "x0" ends the prefix "x/" ("0" follows "/"); "k\0" ends the key "k" alone.
         r, mine = self.root, self.offer(node)
         return [(r, f"{r}bclaim/"), (f"{r}block0", f"{r}offer/"), (mine, mine + "\0"),
-                (f"{r}offer0", f"{r}progress/"),
-                (f"{r}progress0", r[:-1] + chr(ord(r[-1]) + 1))]
+                (f"{r}offer0", f"{r}progress/"), (f"{r}progress0", r[:-1] + "0")]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:

@@ -24,6 +24,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from hypermesh.chunkfs.store import S3Store
+from hypermesh.local.agents import AgentProcess
 from hypermesh.local.registry import Registry
 from tests.conftest import Mesh
 from tests.ops.test_telemetry import SPIN
@@ -148,9 +149,9 @@ def test_a_node_that_watches_its_own_part_shows_every_task_of_a_block(mesh: Mesh
         'experiments:\n  say:\n    samples: 6\n    batch: 2\n'
         '    command: ["echo hi-{{task_index}}"]\n'), "--wait")
 
-    def get(node: object, path: str) -> dict:
+    def get(node: AgentProcess, path: str) -> dict:
         try:
-            with urllib.request.urlopen(f"http://{node.http_address}{path}", timeout=10) as r:  # type: ignore[attr-defined]
+            with urllib.request.urlopen(f"http://{node.http_address}{path}", timeout=10) as r:
                 return json.load(r)
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{path}: {exc.code} {exc.read()!r}") from exc
