@@ -5,10 +5,12 @@ or left, at an incarnation, with the member's meta while alive. A message is
 one protocol step (ping, ack, ...) with updates riding on it; ``to_json`` /
 ``from_json`` are the wire format the transport sends. Pure.
 
-The :class:`BroadcastQueue` picks the updates for each message: least
-transmitted first, most recent first among equals, each one dropped once it was
-sent ``retransmit_limit`` times, and a newer update about a member replacing the
-queued one about the same member.
+The :class:`BroadcastQueue` picks the updates for each message: loud ones before
+quiet ones, least transmitted first, most recent first among equals, each one
+dropped once it was sent ``retransmit_limit`` times, and a newer update about a
+member replacing the queued one about the same member. Quiet updates (a member's
+load counts, see ``GossipConfig.quiet_meta``) only ride on messages sent anyway;
+only loud ones start gossip rounds.
 """
 
 from __future__ import annotations
@@ -213,10 +215,79 @@ class Outgoing:
 
 
 class BroadcastQueue:
-    """Updates waiting to be piggybacked, with how often each was sent.
+    """Updates waiting to be piggybacked, in two tiers: loud and quiet.
 
-    Holds at most one update per member. Only its owner (one ``Swim``) changes it.
-    Internally one bucket per transmit count, each in insertion order, so taking
+    Holds at most one update per member. Loud updates (membership news, meta that
+    peers act on) go out first and are what :attr:`loud` reports, which is what
+    starts gossip rounds; quiet ones fill what room a message has left. A quiet
+    update that replaces a loud one about the same member stays loud: it carries
+    that news too. Only its owner (one ``Swim``) changes it.
+    """
+
+    def __init__(self) -> None:
+        self._loud = _Pile()
+        self._quiet = _Pile()
+
+    def __len__(self) -> int:
+        return len(self._loud) + len(self._quiet)
+
+    def __bool__(self) -> bool:
+        return bool(self._loud) or bool(self._quiet)
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._loud or member in self._quiet
+
+    @property
+    def loud(self) -> bool:
+        """Whether any loud update waits (the gossip rounds' cue)."""
+        return bool(self._loud)
+
+    def push(self, update: Update, quiet: bool = False) -> None:
+        """Queue ``update``, unsent, in place of any queued update about the same member."""
+        quiet = quiet and update.member not in self._loud
+        self.drop(update.member)
+        (self._quiet if quiet else self._loud).push(update)
+
+    def drop(self, member: str) -> None:
+        """Forget the queued update about ``member``, if any."""
+        self._loud.drop(member)
+        self._quiet.drop(member)
+
+    def get(self, member: str) -> Update | None:
+        """The queued update about ``member``, if any."""
+        found = self._loud.get(member)
+        return found if found is not None else self._quiet.get(member)
+
+    def is_quiet(self, member: str) -> bool:
+        """Whether the update queued about ``member`` is a quiet one."""
+        return member in self._quiet
+
+    def transmits(self, member: str) -> int | None:
+        """How often the queued update about ``member`` was taken so far."""
+        sent = self._loud.transmits(member)
+        return sent if sent is not None else self._quiet.transmits(member)
+
+    def take(self, limit: int, max_transmits: int, skip: str = "") -> list[Update]:
+        """Up to ``limit`` updates for one message: loud ones first, then quiet ones;
+        within a tier least sent first and, among updates sent equally often, the one
+        that reached that count last first (so among unsent updates, the newest).
+
+        Each one taken counts one transmission; one that reaches ``max_transmits``
+        leaves the queue. Updates about ``skip`` are left alone (the caller carries
+        its own).
+        """
+        chosen = self._loud.take(limit, max_transmits, skip)
+        return chosen + self._quiet.take(limit - len(chosen), max_transmits, skip)
+
+    def pending(self) -> list[Update]:
+        """Everything queued, in the order :meth:`take` would pick it."""
+        return self._loud.pending() + self._quiet.pending()
+
+
+class _Pile:
+    """One tier of a :class:`BroadcastQueue`, with how often each update was sent.
+
+    Holds at most one update per member. Internally one bucket per transmit count, each in insertion order, so taking
     ``n`` updates costs O(n + limit), not a sort of the whole queue.
     """
 

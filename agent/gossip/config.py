@@ -181,7 +181,23 @@ class GossipConfig:
 
     Meta rides on alive updates: load, free slots and GPUs, chunk-summary digests."""
 
+    quiet_meta: frozenset[str] = frozenset({"running", "free_slots", "free_gpus"})
+    """Meta keys whose changes alone are quiet news: they ride on the messages the
+    protocol sends anyway (pings, acks, and gossip rounds started by other news) and
+    start no gossip round.
+
+    A busy member's task counts change with every task; as loud news, each change
+    kept every member gossiping to ``gossip_fanout`` others every ``gossip_interval``
+    while it spread, so the mesh sent messages in proportion to N for every member's
+    load. Quiet, they cost a few bytes on messages sent anyway and reach everyone
+    within about log N periods. Loud news (states, other meta) goes first in every
+    message."""
+
     def __post_init__(self) -> None:
+        if not isinstance(self.quiet_meta, frozenset) or not all(
+            isinstance(k, str) for k in self.quiet_meta
+        ):
+            raise ValueError(f"quiet_meta must be a frozenset of meta keys, got {self.quiet_meta!r}")
         _check_range("protocol_period", self.protocol_period, 0.001, 60.0)
         _check_range("probe_timeout", self.probe_timeout, 0.0001, self.protocol_period * 0.9)
         _check_range("indirect_checks", self.indirect_checks, 0, 16, integer=True)

@@ -35,6 +35,7 @@ It holds no state: every function works on the
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -74,7 +75,8 @@ _INF = math.inf
 def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> None:
     """Merge one update that ``sender`` sent (this member, for its own verdicts) by
     the precedence rules, unless :func:`_refusal` refuses it; re-gossip it if it
-    was news."""
+    was news (quietly if it only changed the member's load, see :func:`quiet_change`)."""
+    quiet = False
     if u.meta_json is not None and len(u.meta_json) > s.cfg.max_meta_bytes:
         s.refusals.add(OVERSIZED, f"{len(u.meta_json)} bytes of meta for {u.member}")
         return
@@ -93,8 +95,10 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> Non
         s._record(u.member, "", ALIVE, now)
         s._meta_changed[u.member] = None
     elif u.state == ALIVE:
+        old_meta, same_life = cur.meta_json, u.incarnation == cur.incarnation
         if not _apply_alive(s, u, cur, now):
             return
+        quiet = same_life and quiet_change(s.cfg.quiet_meta, old_meta, u.meta_json)
     elif (why := _refusal(u, cur, sender)) is not None:
         s.refusals.add(why, f"{u.state} {u.member} at {u.incarnation} from {sender}")
         if cur.state == SUSPECT:
@@ -129,7 +133,18 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> Non
     else:
         return
     if gossip:
-        s._queue.push(u)
+        s._queue.push(u, quiet)
+
+
+def quiet_change(keys: frozenset[str], old_json: str, new_json: str | None) -> bool:
+    """Whether a member's meta went from ``old_json`` to ``new_json`` changing only
+    ``keys`` (``GossipConfig.quiet_meta``): news that need not start gossip rounds."""
+    if not keys or new_json is None or new_json == old_json:
+        return False
+    old, new = json.loads(old_json), json.loads(new_json)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return False
+    return all(old.get(k) == new.get(k) for k in old.keys() | new.keys() if k not in keys)
 
 
 def _refusal(u: Update, cur: _Member, sender: str) -> str | None:
@@ -338,12 +353,13 @@ def join_next(s: SwimState, now: float, out: list[Outgoing]) -> None:
 
 
 def publish_meta(s: SwimState, meta: dict[str, Any], now: float) -> None:
-    """New meta for this member: a new meta version, spread as an alive update."""
-    s._meta_json = s._checked_meta(meta)
+    """New meta for this member: a new meta version, spread as an alive update
+    (a quiet one when only ``quiet_meta`` keys changed)."""
+    old_json, s._meta_json = s._meta_json, s._checked_meta(meta)
     s._meta_version = min(MAX_COUNTER, s._meta_version + 1)
     s._store_self(now)
     s._meta_changed[s.name] = None
-    s._queue.push(s._self_update())
+    s._queue.push(s._self_update(), quiet_change(s.cfg.quiet_meta, old_json, s._meta_json))
 
 
 def leave(s: SwimState, now: float, out: list[Outgoing]) -> None:

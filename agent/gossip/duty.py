@@ -63,11 +63,10 @@ DATA_CHANNEL_OPTIONS = [
 ]
 CHANNEL_OPTIONS = [*DATA_CHANNEL_OPTIONS, *SMALL_MESSAGE_GRPC_OPTIONS]
 META_MIN_INTERVAL_S = 0.5  # meta changes are gossiped at most this often
-# A busy node's task counts change with every start and end; each new meta is gossiped
-# to a few peers every gossip interval until retransmitted enough, so counts alone are
-# republished less often: nothing schedules by them, ``hypermesh nodes`` shows them.
+# A busy node's task counts change with every start and end. Counts alone are quiet
+# news (``GossipConfig.quiet_meta``: they ride only on messages sent anyway) and are
+# republished less often still: nothing schedules by them, ``hypermesh nodes`` shows them.
 LOAD_MIN_INTERVAL_S = 2.0
-LOAD_FIELDS = frozenset({"running", "free_slots", "free_gpus"})
 IDLE_TICK_S = 0.5  # longest sleep between ticks when the protocol has nothing due
 BACKUP_REVOKE_PERIODS = 2  # protocol periods a non-leader waits for the leader to revoke
 LEASE_KEY = "lease"  # the meta entry naming the lease a member holds (hex)
@@ -443,7 +442,7 @@ class Gossip:
         if meta == self._meta:
             return
         changed = {k for k in meta.keys() | self._meta.keys() if meta.get(k) != self._meta.get(k)}
-        wait = LOAD_MIN_INTERVAL_S if changed <= LOAD_FIELDS else META_MIN_INTERVAL_S
+        wait = LOAD_MIN_INTERVAL_S if changed <= self.cfg.quiet_meta else META_MIN_INTERVAL_S
         if now - self._meta_at >= wait:
             self.swim.set_meta(meta, now)
             self._meta, self._meta_at = meta, now

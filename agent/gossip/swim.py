@@ -182,7 +182,7 @@ class Swim(SwimState):
         d = self._due()
         if self._to_confirm or self._to_check:
             return -_INF  # confirmation probes go out at once
-        if self._queue and self._next_gossip < d:
+        if self._queue.loud and self._next_gossip < d:
             d = self._next_gossip
         return d
 
@@ -227,7 +227,7 @@ class Swim(SwimState):
             probe.confirmation_probes(self, now, out)
         if now >= self._next_probe:
             probe.start_probe(self, now, out)
-        if self._queue and now >= self._next_gossip:
+        if self._queue.loud and now >= self._next_gossip:
             dissemination.gossip_round(self, now, out)
         if now >= self._next_push_pull:
             dissemination.push_pull_round(self, now, out)

@@ -1,10 +1,12 @@
-"""The piggyback queue: order, replacement, retransmit limit; the update wire format."""
+"""The piggyback queue: order, tiers, replacement, retransmit limit; the update wire format."""
 
 from __future__ import annotations
 
 import pytest
 
 from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, SUSPECT, BroadcastQueue, Update
+from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.dissemination import quiet_change
 
 
 def up(member: str, inc: int = 0, state: str = ALIVE) -> Update:
@@ -59,6 +61,50 @@ def test_skip_leaves_one_member_alone() -> None:
     q.push(up("b"))
     assert [u.member for u in q.take(5, 10, skip="b")] == ["a"]
     assert q.transmits("b") == 0
+
+
+def test_loud_updates_go_first_and_quiet_ones_fill_the_room_left() -> None:
+    q = BroadcastQueue()
+    q.push(up("load1"), quiet=True)
+    q.push(up("load2"), quiet=True)
+    assert len(q) == 2 and not q.loud and q.is_quiet("load1")
+    q.push(up("dead", 3, DEAD))
+    assert q.loud
+    assert [u.member for u in q.take(2, 10)] == ["dead", "load2"]
+    assert [u.member for u in q.take(5, 10)] == ["dead", "load1", "load2"]
+    assert [u.member for u in q.pending()] == ["dead", "load1", "load2"]
+
+
+def test_a_quiet_update_replacing_a_loud_one_stays_loud() -> None:
+    # The newer row carries the older one's news (a refutation, a new address) too.
+    q = BroadcastQueue()
+    q.push(up("x", 1))
+    q.push(up("x", 1), quiet=True)
+    assert q.loud and not q.is_quiet("x")
+    q.take(1, 1)  # sent enough: gone
+    q.push(up("x", 1), quiet=True)
+    assert not q.loud and q.is_quiet("x")
+    q.push(up("x", 2, SUSPECT))
+    assert q.loud and not q.is_quiet("x") and len(q) == 1
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "quiet"),
+    [
+        ('{"running":1,"slots":4}', '{"running":2,"slots":4}', True),
+        ('{"running":1}', '{"running":1,"free_gpus":0}', True),
+        ('{"running":1,"slots":4}', '{"running":2,"slots":8}', False),
+        ('{"running":1}', '{"running":1,"chunks":"x"}', False),
+        ('{"running":1}', '{"running":1}', False),
+        ('{"running":1}', None, False),
+    ],
+)
+def test_only_changes_confined_to_the_quiet_keys_are_quiet(
+    old: str, new: str | None, quiet: bool
+) -> None:
+    keys = GossipConfig().quiet_meta
+    assert quiet_change(keys, old, new) is quiet
+    assert quiet_change(frozenset(), old, new) is False
 
 
 def test_update_wire_round_trip_drops_trailing_defaults() -> None:

@@ -67,6 +67,8 @@ def test_describe_lists_every_field() -> None:
         ("refused_quorum", 7, r"refused_quorum must be in \[0, 6\]"),
         ("max_meta_bytes", 8, r"max_meta_bytes must be in \[16, 1.04858e\+06\]"),
         ("late_tick_threshold", "1", r"late_tick_threshold must be a number"),
+        ("quiet_meta", {"running"}, r"quiet_meta must be a frozenset of meta keys"),
+        ("quiet_meta", frozenset({1}), r"quiet_meta must be a frozenset of meta keys"),
     ],
 )
 def test_invalid_values_name_the_allowed_range(field: str, value: object, message: str) -> None:
