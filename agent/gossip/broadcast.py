@@ -287,8 +287,9 @@ class BroadcastQueue:
 class _Pile:
     """One tier of a :class:`BroadcastQueue`, with how often each update was sent.
 
-    Holds at most one update per member. Internally one bucket per transmit count, each in insertion order, so taking
-    ``n`` updates costs O(n + limit), not a sort of the whole queue.
+    Holds at most one update per member. Internally one bucket per transmit count, each
+    in insertion order, so taking ``n`` updates costs O(n + limit), not a sort of the
+    whole queue.
     """
 
     def __init__(self) -> None:

@@ -197,7 +197,9 @@ class GossipConfig:
         if not isinstance(self.quiet_meta, frozenset) or not all(
             isinstance(k, str) for k in self.quiet_meta
         ):
-            raise ValueError(f"quiet_meta must be a frozenset of meta keys, got {self.quiet_meta!r}")
+            raise ValueError(
+                f"quiet_meta must be a frozenset of meta keys, got {self.quiet_meta!r}"
+            )
         _check_range("protocol_period", self.protocol_period, 0.001, 60.0)
         _check_range("probe_timeout", self.probe_timeout, 0.0001, self.protocol_period * 0.9)
         _check_range("indirect_checks", self.indirect_checks, 0, 16, integer=True)

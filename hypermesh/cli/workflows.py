@@ -146,7 +146,8 @@ async def _follow(etcd: Etcd, ks: Keyspace, wid: str, as_json: bool = False) -> 
         changed.set()
 
     keys = [ks.workflow(wid), ks.workflow_state(wid), ks.progress(wid)]
-    mirrors = [asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, only=keys))]
+    ranges = [(key, key + "\0") for key in keys]  # these keys alone: etcd sends no other
+    mirrors = [asyncio.create_task(etcd.mirror(ks.root, view.apply, on_batch, ranges=ranges))]
     display = None if as_json else ProgressDisplay(wid)
     last: dict[str, Any] | None = None
     try:

@@ -580,7 +580,6 @@ class Etcd:
         *,
         reset: Callable[[], None] | None = None,
         ready: asyncio.Event | None = None,
-        only: Sequence[str] = (),
         first: Sequence[str] = (),
         tidy: Callable[[], None] | None = None,
         ranges: Sequence[tuple[str, str]] = (),
@@ -592,12 +591,11 @@ class Etcd:
         the prefix; a broken one resumes at the next revision; a transient etcd
         outage is retried with backoff.
 
-        ``only``: the keys under these prefixes (within ``prefix``) alone, loaded
-        each at one revision and followed through the one watch of ``prefix``: a
-        change arrives after every change etcd made before it, under any of them,
-        which separate watches per prefix cannot promise.
-        ``ranges``: only the keys in these ``[start, end)`` ranges, each watched on the
-        one stream: changes elsewhere are never sent (``Keyspace.own_ranges``).
+        ``ranges``: only the keys in these ``[start, end)`` ranges (within ``prefix``),
+        loaded at one revision and each watched on the one stream: a change arrives
+        after every change etcd made before it, in any of them, which separate watches
+        cannot promise, and changes elsewhere are never sent (``Keyspace.own_ranges``;
+        ``submit --wait`` follows three keys this way).
 
         A (re)load applies the keys under ``first`` before the others (the load is one
         snapshot: any order gives the same state), and calls ``tidy`` every
@@ -605,7 +603,6 @@ class Etcd:
         a large namespace loads (``hypermesh/state/folding.py``).
         """
         assert self.client.watch is not None
-        wanted = tuple(only) or (prefix,)
         backoff = 0.2
         revision = 0
         while True:
@@ -614,9 +611,7 @@ class Etcd:
                     if ranges:
                         kvs, loaded_at = await self.get_prefix(prefix, ranges=ranges)
                     else:
-                        kvs, loaded_at = await self.get_prefix(wanted[0])
-                        for more in wanted[1:]:
-                            kvs += (await self.get_prefix(more, loaded_at))[0]
+                        kvs, loaded_at = await self.get_prefix(prefix)
                     revision = loaded_at  # only once all of it is loaded
                     if reset is not None:
                         reset()
@@ -646,10 +641,7 @@ class Etcd:
                     async for change in watch:
                         for ev in change.events:
                             kv = ev.kv
-                            key = kv.key.decode()
-                            if only and not key.startswith(wanted):
-                                continue
-                            apply(key, None if ev.type == 1 else kv.value,
+                            apply(kv.key.decode(), None if ev.type == 1 else kv.value,
                                   kv.create_revision, kv.mod_revision)
                         revision = change.revision
                         on_batch(revision)

@@ -207,35 +207,42 @@ def test_a_transaction_whose_answer_was_lost_is_not_reported_as_failed(
     asyncio.run(scenario())
 
 
-def test_a_mirror_of_several_prefixes_sees_changes_in_etcd_order(
+def test_a_mirror_of_several_ranges_sees_them_alone_each_in_etcd_order(
     etcd_server: EtcdServer,
 ) -> None:
-    """``mirror(root, only=...)``: loads the chosen prefixes at one revision, ignores the
-    rest of ``root``, and applies changes to all of them in the order etcd made them."""
+    """``mirror(root, ranges=...)``: loads the chosen ranges (two prefixes, one exact
+    key) at one revision, is never sent the rest of ``root``, applies each range's
+    changes in the order etcd made them, and never reports a batch revision past what
+    every range has caught up with (across ranges, a resuming stream may interleave)."""
 
     async def scenario() -> None:
         async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
             await etcd.put("/m/a/1", b"a1")
             await etcd.put("/m/b/1", b"b1")
             await etcd.put("/m/other/1", b"x")
+            await etcd.put("/m/k", b"k")
+            await etcd.put("/m/k2", b"not the key")
             seen: list[tuple[str, bytes | None]] = []
             batches: list[int] = []
             ready = asyncio.Event()
             mirror = asyncio.create_task(etcd.mirror(
                 "/m/", lambda key, value, *_: seen.append((key, value)), batches.append,
-                ready=ready, only=["/m/a/", "/m/b/"],
+                ready=ready, ranges=[("/m/a/", "/m/a0"), ("/m/b/", "/m/b0"), ("/m/k", "/m/k\0")],
             ))
             try:
                 await asyncio.wait_for(ready.wait(), 10)
-                assert sorted(seen) == [("/m/a/1", b"a1"), ("/m/b/1", b"b1")]
+                assert sorted(seen) == [("/m/a/1", b"a1"), ("/m/b/1", b"b1"), ("/m/k", b"k")]
                 seen.clear()
-                for key in ("/m/b/2", "/m/other/2", "/m/a/2", "/m/b/3"):
+                for key in ("/m/b/2", "/m/other/2", "/m/k2", "/m/a/2", "/m/k", "/m/b/3"):
                     await etcd.put(key, key.encode())
                 last = await etcd.put("/m/a/3", b"last")
                 await etcd.txn([], [etcd.op_delete("/m/b/1")])
                 await wait_until(lambda: ("/m/b/1", None) in seen, 10, "the delete")
-                assert [k for k, _ in seen] == ["/m/b/2", "/m/a/2", "/m/b/3", "/m/a/3", "/m/b/1"]
-                assert max(batches) > last
+                assert batches == sorted(batches) and batches[-1] <= last + 1
+                keys = [k for k, _ in seen]
+                assert sorted(keys) == ["/m/a/2", "/m/a/3", "/m/b/1", "/m/b/2", "/m/b/3", "/m/k"]
+                assert [k for k in keys if k.startswith("/m/b/")] == ["/m/b/2", "/m/b/3", "/m/b/1"]
+                assert [k for k in keys if k.startswith("/m/a/")] == ["/m/a/2", "/m/a/3"]
             finally:
                 mirror.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
