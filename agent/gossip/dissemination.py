@@ -128,7 +128,10 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> Non
             s._hold_suspicion(u.member, Suspicion(now, u.source, k, low, high))
             # About 2k members check an accusation for themselves (all of them in
             # a small mesh): enough confirmations, no storm of pings at the suspect.
-            if u.source != s.name and s._rng.random() * s._n_live < 2 * k + 2:
+            # The one that acts on deaths always does (``confirm_all``).
+            if u.source != s.name and (
+                s.confirm_all or s._rng.random() * s._n_live < 2 * k + 2
+            ):
                 s._to_confirm.add(u.member)
     else:
         return

@@ -137,6 +137,10 @@ class SwimState:
         self._probes: dict[int, _Probe] = {}
         self._probing: dict[str, int] = {}  # target -> seq of our probe of it
         self._to_confirm: set[str] = set()  # suspects others accused: probe them ourselves
+        # Check every accusation ourselves, not only as one of about 2k random members:
+        # set on the member that acts on deaths (the leader), so that a death it must act
+        # on is one it witnessed by then, with no probe left to wait for.
+        self.confirm_all = False
         self._to_check: dict[str, None] = {}  # helpers that keep missing nacks: probe them
         self._missed_nacks: dict[str, int] = {}  # helper -> nacks missed since last heard
         # Members our own probes found silent or refusing since they were last alive,

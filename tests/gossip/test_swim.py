@@ -278,6 +278,31 @@ def test_the_last_probe_of_an_unconfirmed_suspicion_fetches_a_missed_refutation(
     assert ("b", SUSPECT, ALIVE) in a.drain_events()
 
 
+def test_the_member_that_acts_on_deaths_checks_every_accusation_itself() -> None:
+    # In a large mesh about 2k + 2 random members probe an accused member themselves;
+    # the one that revokes leases (confirm_all: the leader) always does, so the death
+    # it acts on is one its own probe saw, with no check left to wait for then.
+    names = [f"n{i}" for i in range(200)]
+    wire = Wire(names)
+    wire.down.add("n9")
+    accusation = Message(
+        "gossip", "n1", "addr-n1", updates=(Update("n9", "addr-n9", SUSPECT, 0, source="n1"),)
+    )
+
+    def probes_n9(name: str) -> bool:
+        outs = wire.nodes[name].receive(accusation, 0.0) + wire.nodes[name].tick(0.0)
+        return any(o.to == "n9" and o.message.kind == "ping" for o in outs)
+
+    checkers = [n for n in names[2:] if n != "n9" and probes_n9(n)]
+    assert 2 <= len(checkers) <= 30  # about 2k + 2 = 10 of 197
+    leader = Wire(names).nodes["n0"]
+    leader.confirm_all = True
+    wire.nodes["n0"] = leader
+    assert probes_n9("n0")
+    wire.run_until(1.0)
+    assert leader.witnessed("n9") is not None
+
+
 def test_confirmations_from_distinct_members_shorten_the_suspicion() -> None:
     names = [f"n{i}" for i in range(12)]
     wire = Wire(names)
