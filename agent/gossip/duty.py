@@ -185,7 +185,7 @@ class Gossip:
                     seeds = self._seeds()
                     if seeds:
                         self._send(self.swim.join(seeds, now))
-                self.swim.confirm_all = a.is_leader  # it revokes: see _witness
+                self.swim.confirm_all = a.view.leader() == a.cfg.name  # it revokes (_witness)
                 self._send(self.swim.tick(now))
                 self._publish_load(now)
                 refused = self.swim.refusals.report(now)
