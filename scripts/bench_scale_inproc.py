@@ -34,8 +34,9 @@ leases. Then ``--tasks`` trivial tasks are submitted
 exactly as the CLI does (``hypermesh submit RECIPE --wait`` in a subprocess) and the
 submit window reports, per task: this process's CPU (every member's summed, gRPC's threads
 included), etcd's CPU, the watch events etcd delivered and the bytes it sent, and
-tasks/s; and the loop's lag (how late a 50 ms timer fired). Then, after ``--settle``,
-an idle window of ``--idle-seconds``: CPU per member in % of a core (the process's
+tasks/s; the changes the members' mirrors applied, in all and by key kind (where
+etcd's watch events go); and the loop's lag (how late a 50 ms timer fired). Then, after
+``--settle``, an idle window of ``--idle-seconds``: CPU per member in % of a core (the process's
 divided by N), etcd's writes, Range RPCs and lease keep-alives per second per member,
 and the agent-to-agent gRPC bytes (``ss``).
 
@@ -150,6 +151,42 @@ class DecisionCounter(logging.Handler):
 EVENTS = DecisionCounter()
 
 
+class MirrorCounter:
+    """Counts the changes the members' mirrors apply, by key kind (``wf``, ``block``,
+    ``offer``...), while on: where the watch events etcd delivers go. It wraps
+    ``Etcd.mirror``'s ``apply`` (every member's mirror runs in this process), so the
+    initial loads before the submit window are not counted, and neither is the CLI's
+    own watch (another process)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.kinds: collections.Counter[str] = collections.Counter()
+
+    def attach(self) -> None:
+        from hypermesh.state import etcd as etcd_module
+        mirror, counter = etcd_module.Etcd.mirror, self
+
+        def counted_mirror(etcd: Any, prefix: str, apply: Any, *args: Any, **kw: Any) -> Any:
+            def counted(key: str, *rest: Any) -> None:
+                if counter.on:
+                    counter.kinds[key[len(prefix):].split("/", 1)[0]] += 1
+                apply(key, *rest)
+            return mirror(etcd, prefix, counted, *args, **kw)
+
+        etcd_module.Etcd.mirror = counted_mirror  # type: ignore[method-assign]
+
+    def start(self) -> None:
+        self.kinds.clear()
+        self.on = True
+
+    def stop(self) -> dict[str, int]:
+        self.on = False
+        return dict(self.kinds.most_common())
+
+
+APPLIED = MirrorCounter()
+
+
 class _NoLifeline:
     """Stands for :class:`Lifeline`: no journal, no watchdog process."""
 
@@ -230,6 +267,7 @@ class Result:
     gossip_deaths: int = 0  # members gossip declared dead (and revoked) meanwhile
     idle_lease_losses: int = 0
     idle_gossip_deaths: int = 0
+    applied_by_kind: dict[str, int] = field(default_factory=dict)  # members' mirrors
 
     def per_task(self) -> dict[str, float]:
         t = self.tasks
@@ -241,6 +279,7 @@ class Result:
             "etcd_cpu_ms": 1e3 * self.etcd_cpu_s / t,
             "cli_cpu_ms": 1e3 * self.cli_cpu_s / t,
             **e.per_task(t),
+            "mirror_applies": sum(self.applied_by_kind.values()) / t,
         }
 
     def idle(self) -> dict[str, float | None]:
@@ -426,6 +465,7 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
         recipe.write_text(recipe_text(args.tasks, block=args.block))
         COUNTERS.attempts.clear()
         EVENTS.take()
+        APPLIED.start()
         m0 = await asyncio.to_thread(etcd_metrics, etcd.url)
         e0, p0, c0 = proc_cpu(etcd_pid)[0], time.process_time(), _cli_cpu()
         lag.start()
@@ -435,6 +475,7 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
         p1, e1, c1 = time.process_time(), proc_cpu(etcd_pid)[0], _cli_cpu()
         result.lag_ms_p50, result.lag_ms_p99, result.lag_ms_max = lag.stop()
         result.lease_losses, result.gossip_deaths = EVENTS.take()
+        result.applied_by_kind = APPLIED.stop()
         m1 = await asyncio.to_thread(etcd_metrics, etcd.url)
         if code != 0:
             raise BenchError(f"submit --wait exited {code}: {stderr[-2000:]}")
@@ -499,6 +540,7 @@ async def run_all(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
 
 def run(args: argparse.Namespace, out: Any) -> Result:
     patch_agents(args.task_seconds, not args.no_gossip, args.gossip_connections == "own")
+    APPLIED.attach()
     with tempfile.TemporaryDirectory(prefix="hm-bench-inproc-") as tmp:
         root = Path(tmp)
         logging.basicConfig(filename=root / "agents.log", level=args.log_level,
@@ -543,7 +585,10 @@ def report(r: Result, out: Any) -> dict[str, Any]:
         ("etcd CPU (ms)", "etcd_cpu_ms", "{:.3f}"),
         ("submit CLI CPU (ms)", "cli_cpu_ms", "{:.3f}"),
         *ETCD_TASK_ROWS,
+        ("changes the members applied", "mirror_applies", "{:.2f}"),
     ], per, out)
+    by_kind = ", ".join(f"{k} {n / r.tasks:.2f}" for k, n in r.applied_by_kind.items())
+    print(f"  {'members applied, by key kind':<32}{by_kind or '-'}", file=out)
     print(f"  {'attempts run (members)':<32}{f'{r.attempts} ({r.members_that_ran})':>14}",
           file=out)
     print(f"  {'most attempts on one member':<32}{r.attempts_per_member_max:>14}", file=out)
