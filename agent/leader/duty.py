@@ -108,7 +108,7 @@ class LeaderDuty:
                             exc_info=exc)
                 await self._fail(wid, action.state_revision, reason)
         await self._publish_progress()
-        if any(rec.offers for rec in self.agent.view.nodes.values()) or self.agent.view.offers:
+        if self.offers.wanted():
             await self.offers.publish()
 
     async def _carry_out(self, action: leader.Action) -> None:

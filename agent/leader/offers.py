@@ -11,13 +11,23 @@ the number of nodes.
 
 An offer is a hint, never a grant: the claim (``claim_open_block``) is what decides, so
 a stale offer costs one refused transaction. The next leader plans again from etcd.
+
+Planning is incremental. A whole plan (:func:`plan_offers`) looks at every node and
+every block: it runs on the first round, every ``RESCAN_S``, and after any change of
+nodes or workflows (``MeshView.offer_epoch``). Between them a round looks only at the
+blocks whose keys changed since the last one (``MeshView.offer_blocks``: claims taken or
+released, batches, reopened tasks): a block offered to a node that is no longer
+claimable leaves that node's offer, a block that became claimable joins the blocks
+waiting for a node, and nodes short of offers take waiting blocks. A round with nothing
+changed costs nothing, and a busy one costs in proportion to what changed, not to the
+size of the mesh.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import BlockRef
@@ -58,8 +68,7 @@ def plan_offers(
     skip the finished blocks a former round passed; the caller keeps it between rounds.
     ``current``: the offers as last written, where the view may not show them yet.
     """
-    nodes = {name: rec for name, rec in sorted(view.nodes.items())
-             if rec.offers and rec.state == "alive"}
+    nodes = _takers(view.nodes)
     taken: set[BlockRef] = set()
     plan: dict[str, list[BlockRef]] = {}
     for name, rec in nodes.items():
@@ -87,12 +96,25 @@ def plan_offers(
 def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord) -> bool:
     """``node`` may run ``bref``: its work is live and allowed there. (A node pulling the
     experiment's image is offered it too: it claims once the image is there.)"""
-    wf = view.workflows.get(bref.workflow)
-    if wf is None or view.workflow_state(bref.workflow) in TERMINAL:
+    if not _live(view, bref):
         return False
-    if view.experiment_cancelled(bref.workflow, bref.experiment):
+    return allowed_on(view.workflows[bref.workflow].recipe.experiment(bref.experiment), node)
+
+
+def _live(view: MeshView, bref: BlockRef) -> bool:
+    """The work of ``bref`` goes on: its workflow is known and has not ended, and its
+    experiment was not cancelled."""
+    if bref.workflow not in view.workflows:
         return False
-    return allowed_on(wf.recipe.experiment(bref.experiment), node)
+    if view.workflow_state(bref.workflow) in TERMINAL:
+        return False
+    return not view.experiment_cancelled(bref.workflow, bref.experiment)
+
+
+def _takers(nodes: dict[str, NodeRecord]) -> dict[str, NodeRecord]:
+    """The nodes that choose from offers and may take work, by name."""
+    return {name: rec for name, rec in sorted(nodes.items())
+            if rec.offers and rec.state == "alive"}
 
 
 def _candidates(view: MeshView, cursors: dict[tuple[str, str], int]) -> Iterator[BlockRef]:
@@ -139,31 +161,127 @@ class Offers:
         self._written: dict[str, tuple[BlockRef, ...] | None] = {}
         self._cursors: dict[tuple[str, str], int] = {}
         self._rescan_at = 0.0
+        self._epoch = -1  # the view's offer_epoch at the last whole plan
+        self._offered_to: dict[BlockRef, str] = {}
+        self._short: dict[str, None] = {}  # nodes offered fewer than OFFER_AHEAD blocks
+        self._waiting: dict[BlockRef, None] = {}  # claimable, offered to no one, in order
+        self._takers_epoch = -1
+        self._any_taker = False
 
     def handed_over(self) -> None:
         self._written.clear()
         self._cursors.clear()
+        self._epoch = -1
+        self.agent.view.offer_blocks = None  # a follower's view need not keep them
 
-    async def publish(self) -> int:
-        """Write the offers that changed (and delete those of nodes gone or that no
-        longer choose from offers); how many keys were written."""
-        view, now = self.agent.view, time.monotonic()
+    def wanted(self) -> bool:
+        """Whether any node chooses from offers, or offers are left to delete."""
+        view = self.agent.view
+        if view.offer_epoch != self._takers_epoch:
+            self._takers_epoch = view.offer_epoch
+            self._any_taker = any(rec.offers for rec in view.nodes.values())
+        return self._any_taker or bool(view.offers)
+
+    def plan(self, now: float) -> tuple[dict[str, tuple[BlockRef, ...]], bool]:
+        """The offers of the nodes whose offers may have changed, and whether that is a
+        whole plan (every node that chooses from offers: the others' are deleted)."""
+        view = self.agent.view
+        whole = view.offer_blocks is None or view.offer_epoch != self._epoch
+        if whole or now >= self._rescan_at:
+            return self._plan_whole(view, now), True
+        touched, view.offer_blocks = view.offer_blocks, set()
+        return (self._plan_changes(view, touched) if touched else {}), False
+
+    def _plan_whole(self, view: MeshView, now: float) -> dict[str, tuple[BlockRef, ...]]:
         if now >= self._rescan_at:
             self._cursors.clear()
             self._rescan_at = now + RESCAN_S
+        view.offer_blocks, self._epoch = set(), view.offer_epoch
         wanted = plan_offers(view, self._cursors, current=self._written)
-        ops: list[Any] = []
-        etcd, ks = self.agent.etcd, self.agent.ks
+        self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
+        self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
+        self._waiting = dict.fromkeys(b for b in _candidates(view, dict(self._cursors))
+                                      if b not in self._offered_to)
+        return wanted
+
+    def _plan_changes(
+        self, view: MeshView, touched: set[BlockRef]
+    ) -> dict[str, tuple[BlockRef, ...]]:
+        changed: dict[str, list[BlockRef]] = {}
+        for bref in sorted(touched):
+            node = self._offered_to.get(bref)
+            rec = view.nodes.get(node) if node is not None else None
+            if node is None:
+                if claimable(view, bref) and _live(view, bref):
+                    self._waiting[bref] = None
+                else:
+                    self._waiting.pop(bref, None)
+            elif rec is None or not (claimable(view, bref) and _open_to(view, bref, rec)):
+                del self._offered_to[bref]
+                blocks = changed.setdefault(node, list(self._written.get(node) or ()))
+                if bref in blocks:
+                    blocks.remove(bref)
+                self._short[node] = None
+        if self._waiting:
+            for node in list(self._short):
+                blocks = changed.get(node) or list(self._written.get(node) or ())
+                self._fill(view, node, blocks)
+                changed[node] = blocks
+                if not self._waiting:
+                    break
+        return {name: tuple(blocks) for name, blocks in changed.items()}
+
+    def _fill(self, view: MeshView, node: str, blocks: list[BlockRef]) -> None:
+        """Give ``node`` waiting blocks until it has ``OFFER_AHEAD``; forget waiting
+        blocks that are no longer claimable on the way."""
+        rec = view.nodes.get(node)
+        if rec is None or not rec.offers or rec.state != "alive":
+            self._short.pop(node, None)
+            return
+        taken: list[BlockRef] = []
+        gone: list[BlockRef] = []
+        for bref in self._waiting:
+            if len(blocks) + len(taken) >= OFFER_AHEAD:
+                break
+            if not (claimable(view, bref) and _live(view, bref)):
+                gone.append(bref)
+            elif _open_to(view, bref, rec):
+                taken.append(bref)
+        for bref in gone + taken:
+            del self._waiting[bref]
+        for bref in taken:
+            self._offered_to[bref] = node
+        blocks += taken
+        if len(blocks) >= OFFER_AHEAD:
+            self._short.pop(node, None)
+
+    def changes(self, now: float) -> list[tuple[str, tuple[BlockRef, ...] | None]]:
+        """Plan, and the offers to write: (node, its blocks), or (node, None) to delete a
+        node's offer (after a whole plan: nodes gone or no longer choosing from offers).
+        They count as written from here on."""
+        view = self.agent.view
+        wanted, whole = self.plan(now)
+        out: list[tuple[str, tuple[BlockRef, ...] | None]] = []
         for name, blocks in wanted.items():
-            current = self._written.get(name, view.offers.get(name, ((), 0))[0])
-            if current != blocks:
-                value = {"blocks": [[b.workflow, b.experiment, b.first] for b in blocks]}
-                ops.append(etcd.op_put(ks.offer(name), dumps(value)))
+            if self._written.get(name, view.offers.get(name, ((), 0))[0]) != blocks:
+                out.append((name, blocks))
                 self._written[name] = blocks
-        for name in set(view.offers) | set(self._written):
-            if name not in wanted and self._written.get(name, ()) is not None:
-                ops.append(etcd.op_delete(ks.offer(name)))
-                self._written[name] = None
+        if whole:
+            for name in sorted(set(view.offers) | set(self._written)):
+                if name not in wanted and self._written.get(name, ()) is not None:
+                    out.append((name, None))
+                    self._written[name] = None
+        return out
+
+    async def publish(self) -> int:
+        """Write the offers that changed (see :meth:`changes`); how many keys were written."""
+        etcd, ks = self.agent.etcd, self.agent.ks
+        ops = [
+            etcd.op_delete(ks.offer(name)) if blocks is None else etcd.op_put(
+                ks.offer(name),
+                dumps({"blocks": [[b.workflow, b.experiment, b.first] for b in blocks]}))
+            for name, blocks in self.changes(time.monotonic())
+        ]
         for i in range(0, len(ops), TXN_OPS):
             await etcd.txn([], ops[i:i + TXN_OPS])
         return len(ops)

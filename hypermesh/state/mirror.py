@@ -59,6 +59,10 @@ def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
         table[key] = value
 
 
+_BLOCK_KINDS = frozenset({"block", "bclaim", "bdone"})
+_PLAN_KINDS = frozenset({"node", "wf", "wfstate", "expctl", "expanded"})
+
+
 class Mirror:
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
@@ -112,6 +116,11 @@ class Mirror:
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
         # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
         self.offers: dict[str, tuple[tuple[BlockRef, ...], int]] = {}
+        # For the leader's offer planning (agent/leader/offers.py): the blocks whose keys
+        # changed since it last looked (kept only while it sets a set here), and a count
+        # of the changes to nodes and workflows, after which it plans everything again.
+        self.offer_blocks: set[BlockRef] | None = None
+        self.offer_epoch = 0
         # Batched experiments (hypermesh/state/blocks.py), expanded into the tables above: a
         # block's tasks into ``tasks``, a batch's records into ``attempts`` and
         # ``results``, and the running attempts of a held block into ``claims`` (a
@@ -151,9 +160,10 @@ class Mirror:
     def reset(self) -> None:
         """Forget everything (before a full reload after a compacted watch) but whether
         batches are deferred and when blocks are folded."""
-        defer, fold_after = self.defer_batches, self.fold_after
+        defer, fold_after, epoch = self.defer_batches, self.fold_after, self.offer_epoch
         self.__init__(self.ks)  # type: ignore[misc]
         self.defer_batches, self.fold_after = defer, fold_after
+        self.offer_epoch = epoch + 1  # and the offers are planned whole again
 
     def apply(
         self, key: str, value: bytes | None, create_revision: int = 0, mod_revision: int = 0
@@ -172,6 +182,11 @@ class Mirror:
             if data is not None and not isinstance(data, dict):
                 raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             handler(parts, data, create_revision, mod_revision)
+            if kind in _BLOCK_KINDS:
+                if self.offer_blocks is not None:
+                    self.offer_blocks.add(BlockRef(parts[0], parts[1], int(parts[2])))
+            elif kind in _PLAN_KINDS:
+                self.offer_epoch += 1
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, HypermeshError) as exc:
             # A malformed key must not stop the mirror; it is skipped and reported.
             log.warning("ignoring malformed key %s: %s", key, exc)

@@ -1,0 +1,132 @@
+"""The leader's offer planning at 256 to 10,000 nodes: a whole plan against a round that
+plans only what changed (issue 23).
+
+A leader's view is fed key by key, as its watch would: one running workflow of
+``4 * nodes`` blocks of 2 tasks (half of them offered, half waiting), and ``nodes``
+nodes that choose from offers. Then, timed with ``time.perf_counter`` (medians of ``--rounds``):
+
+- a whole plan (``plan_offers``, what every leader round did before: every node, every
+  block);
+- a round after nothing changed;
+- a round after ``--claims`` nodes each claimed one of their offered blocks (the common
+  busy round: each such node's offer is rewritten).
+
+    .venv/bin/python scripts/bench_offers.py [--nodes 256 1000 10000] [--claims 10]
+        [--rounds 5] [--json]
+
+Pure Python on one core, no etcd: the planning alone. It asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hypermesh.agent.leader.offers import Offers, plan_offers
+from hypermesh.recipe.recipe import parse_recipe
+from hypermesh.state.keyspace import BlockRef, Keyspace
+from hypermesh.state.records import NodeRecord, WorkflowRecord, dumps
+from hypermesh.state.view import MeshView
+
+RECIPE = """
+experiments:
+  e:
+    command: 'true'
+    samples: 10
+"""
+
+
+class Feed:
+    """Puts applied to a view with increasing revisions, as a watch would apply them."""
+
+    def __init__(self) -> None:
+        self.ks = Keyspace("bench")
+        self.view = MeshView(self.ks)
+        self.rev = 0
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self.rev += 1
+        self.view.apply(key, dumps(value), self.rev, self.rev)
+
+
+def mesh(nodes: int) -> tuple[Feed, list[BlockRef]]:
+    feed = Feed()
+    wf = WorkflowRecord(id="w", name="bench", recipe=parse_recipe(textwrap.dedent(RECIPE)),
+                        seed=7, submitted_at=1.0, workdir="/tmp")
+    feed.put(feed.ks.workflow("w"), wf.to_json())
+    feed.put(feed.ks.workflow_state("w"), {"state": "running"})
+    for i in range(nodes):
+        feed.put(feed.ks.node(f"n{i}"), NodeRecord(f"n{i}", "a:1", offers=True).to_json())
+    blocks = []
+    for first in range(0, 8 * nodes, 2):
+        bref = BlockRef("w", "e", first)
+        feed.put(feed.ks.block(bref), {"params": [{"i": first}, {"i": first + 1}]})
+        blocks.append(bref)
+    feed.put(feed.ks.expanded("w", "e"), {"count": 8 * nodes})
+    return feed, blocks
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(nodes: int, claims: int, rounds: int) -> dict[str, Any]:
+    feed, _ = mesh(nodes)
+    offers = Offers(cast(Any, SimpleNamespace(view=feed.view)))
+    offers.changes(0.0)
+    whole = [timed(lambda: plan_offers(feed.view, {}, current=offers._written))
+             for _ in range(rounds)]
+    idle = [timed(lambda: offers.changes(0.1)) for _ in range(rounds)]
+    busy, written = [], []
+    for r in range(rounds):
+        for i in range(claims):
+            name = f"n{(r * claims + i) % nodes}"
+            held = offers._written.get(name) or ()
+            if held:
+                feed.put(feed.ks.block_claim(held[0]), {"node": name, "lease": 1})
+        t0 = time.perf_counter()
+        out = offers.changes(0.2 + r * 0.01)
+        busy.append(time.perf_counter() - t0)
+        written.append(len(out))
+    return {
+        "nodes": nodes, "blocks": 4 * nodes, "claims": claims,
+        "whole_plan_ms": 1e3 * statistics.median(whole),
+        "round_unchanged_ms": 1e3 * statistics.median(idle),
+        "round_after_claims_ms": 1e3 * statistics.median(busy),
+        "offers_written_per_round": statistics.median(written),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[256, 1000, 10000])
+    p.add_argument("--claims", type=int, default=10, help="claims between busy rounds [10]")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    rows = [measure(n, args.claims, args.rounds) for n in args.nodes]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'nodes':>7}{'blocks':>8}{'whole plan':>13}{'unchanged':>12}"
+          f"{'after ' + str(args.claims) + ' claims':>18}{'offers written':>16}")
+    for r in rows:
+        print(f"{r['nodes']:>7}{r['blocks']:>8}{r['whole_plan_ms']:>10.2f} ms"
+              f"{r['round_unchanged_ms']:>9.3f} ms{r['round_after_claims_ms']:>15.3f} ms"
+              f"{r['offers_written_per_round']:>16g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The leader's offer planning between whole plans: only what changed is looked at, and
+the offers stay what a whole plan would allow (each block to one node, claimable, live,
+no node short while a block waits). Pure: a view fed key by key, no etcd."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from hypermesh.agent.leader.offers import OFFER_AHEAD, RESCAN_S, Offers, claimable
+from hypermesh.state.blocks import Batch, ResultEntry
+from hypermesh.state.keyspace import BlockRef
+from hypermesh.state.records import NodeRecord
+from tests.state.test_model import Feed
+from tests.state.test_own_watch import offered_feed
+from tests.tasks.test_blocks import batch
+
+Changes = list[tuple[str, tuple[BlockRef, ...] | None]]
+
+
+def offers_of(feed: Feed) -> Offers:
+    return Offers(cast(Any, SimpleNamespace(view=feed.view)))
+
+
+def claim(feed: Feed, bref: BlockRef, node: str) -> None:
+    feed.put(feed.ks.block_claim(bref), {"node": node, "lease": 1})
+
+
+def finish(feed: Feed, bref: BlockRef, node: str) -> None:
+    results = tuple(ResultEntry(bref.first + k, "succeeded", 1, 0, 1.0) for k in range(2))
+    batch(feed, bref, f"{node}-{bref.first}", Batch(node, (), results))
+    feed.delete(feed.ks.block_claim(bref))
+
+
+def test_a_round_looks_only_at_what_changed_and_writes_one_offer_per_claim() -> None:
+    feed, b = offered_feed({"n1": True, "n2": True}, 8)
+    offers = offers_of(feed)
+    assert offers.changes(0.0) == [("n1", (b[0], b[1])), ("n2", (b[2], b[3]))]
+    assert offers.changes(0.1) == []  # nothing changed: nothing planned, nothing written
+    assert feed.view.offer_blocks == set()
+    claim(feed, b[0], "n1")
+    assert feed.view.offer_blocks == {b[0]}
+    assert offers.changes(0.2) == [("n1", (b[1], b[4]))]
+    finish(feed, b[0], "n1")  # a finished block offered to no one changes no offer
+    assert offers.changes(0.3) == []
+    claim(feed, b[5], "n9")  # a node that chooses itself took a waiting block
+    claim(feed, b[2], "n2")
+    assert offers.changes(0.4) == [("n2", (b[3], b[6]))]
+    feed.delete(feed.ks.block_claim(b[5]))  # released unfinished: it waits again
+    claim(feed, b[3], "n2")
+    assert offers.changes(0.5) == [("n2", (b[6], b[7]))]
+    claim(feed, b[1], "n1")
+    assert offers.changes(0.6) == [("n1", (b[4], b[5]))]
+
+
+def test_changes_to_nodes_or_workflows_and_the_rescan_plan_everything_again() -> None:
+    feed, b = offered_feed({"n1": True, "n2": True}, 6)
+    offers = offers_of(feed)
+    offers.changes(0.0)
+    feed.put(feed.ks.node("n2"), NodeRecord("n2", "a:1", offers=True,
+                                            state="draining").to_json())
+    assert offers.changes(0.1) == [("n2", None)]  # a whole plan: n2's offer goes
+    feed.put(feed.ks.node("n3"), NodeRecord("n3", "a:1", offers=True).to_json())
+    assert offers.changes(0.2) == [("n3", (b[2], b[3]))]
+    # The rescan finds a block a whole plan passed as finished and a retry reopened.
+    finish(feed, b[4], "n1")
+    finish(feed, b[5], "n1")
+    feed.view.offer_blocks = set()  # as if these changes had been seen
+    assert offers.changes(0.3) == []
+    assert offers.changes(RESCAN_S + 1) == []
+    feed.put(feed.ks.experiment_control("w", "e"), {"cancelled": True})
+    assert offers.changes(RESCAN_S + 2) == [("n1", ()), ("n3", ())]
+
+
+def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:
+    feed, _ = offered_feed({"n1": True}, 4)
+    offers = offers_of(feed)
+    offers.changes(0.0)
+    epoch = feed.view.offer_epoch
+    feed.view.reset()
+    assert feed.view.offer_blocks is None and feed.view.offer_epoch > epoch
+    offers.handed_over()
+    assert feed.view.offer_blocks is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_changes_keep_every_offer_valid_and_no_node_short_while_blocks_wait(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(6)]
+    feed, b = offered_feed({n: True for n in names} | {"self": False}, 30)
+    offers = offers_of(feed)
+    written: dict[str, tuple[BlockRef, ...]] = {}
+    finished: set[BlockRef] = set()
+    whole_plans = 0
+    for step in range(400):
+        roll = rng.random()
+        open_blocks = [x for x in b if x not in finished]
+        if roll < 0.45 and open_blocks:  # a node claims an offered block, or any block
+            offered = [x for blocks in written.values() for x in blocks]
+            pick = rng.choice(offered) if offered and rng.random() < 0.8 else rng.choice(b)
+            if claimable(feed.view, pick):
+                holder = next((n for n, bl in written.items() if pick in bl), "self")
+                claim(feed, pick, holder)
+        elif roll < 0.75:  # a held block ends, or is released unfinished
+            held = sorted(feed.view.block_claims)
+            if held:
+                pick = rng.choice(held)
+                if rng.random() < 0.7:
+                    finish(feed, pick, "x")
+                    finished.add(pick)
+                else:
+                    feed.delete(feed.ks.block_claim(pick))
+        elif roll < 0.8:  # a node drains or comes back
+            name = rng.choice(names)
+            state = rng.choice(["alive", "draining"])
+            feed.put(feed.ks.node(name), NodeRecord(name, "a:1", offers=True,
+                                                    state=state).to_json())
+        whole_plans += feed.view.offer_epoch != offers._epoch
+        for name, blocks in offers.changes(step * 0.01):  # never a rescan: 4 s in all
+            written[name] = blocks or ()
+        check(feed, written)
+    assert whole_plans < 40  # most rounds planned only what changed
+
+
+def check(feed: Feed, written: dict[str, tuple[BlockRef, ...]]) -> None:
+    """What a whole plan promises: each offered block to one taker, claimable and live;
+    a taker short of offers only when no claimable block is left to offer."""
+    view = feed.view
+    offered = [x for blocks in written.values() for x in blocks]
+    assert len(offered) == len(set(offered)), written
+    takers = {n for n, rec in view.nodes.items() if rec.offers and rec.state == "alive"}
+    for name, blocks in written.items():
+        assert not blocks or name in takers, (name, blocks)
+        assert len(blocks) <= OFFER_AHEAD
+        assert all(claimable(view, x) for x in blocks), (name, blocks)
+    if any(len(written.get(n, ())) < OFFER_AHEAD for n in takers):
+        spare = [BlockRef("w", "e", first) for first in view.block_firsts("w", "e")]
+        spare = [x for x in spare if claimable(view, x) and x not in offered]
+        assert not spare, (written, spare)
