@@ -45,34 +45,26 @@ experiments:
 """
 
 
-class Feed:
-    """Puts applied to a view with increasing revisions, as a watch would apply them."""
+def mesh(nodes: int) -> MeshView:
+    """A leader's view of one running workflow and ``nodes`` nodes that take offers."""
+    ks = Keyspace("bench")
+    view = MeshView(ks)
+    revisions = iter(range(1, 1 << 40))
 
-    def __init__(self) -> None:
-        self.ks = Keyspace("bench")
-        self.view = MeshView(self.ks)
-        self.rev = 0
+    def put(key: str, value: dict[str, Any]) -> None:
+        rev = next(revisions)
+        view.apply(key, dumps(value), rev, rev)
 
-    def put(self, key: str, value: dict[str, Any]) -> None:
-        self.rev += 1
-        self.view.apply(key, dumps(value), self.rev, self.rev)
-
-
-def mesh(nodes: int) -> tuple[Feed, list[BlockRef]]:
-    feed = Feed()
     wf = WorkflowRecord(id="w", name="bench", recipe=parse_recipe(textwrap.dedent(RECIPE)),
                         seed=7, submitted_at=1.0, workdir="/tmp")
-    feed.put(feed.ks.workflow("w"), wf.to_json())
-    feed.put(feed.ks.workflow_state("w"), {"state": "running"})
+    put(ks.workflow("w"), wf.to_json())
+    put(ks.workflow_state("w"), {"state": "running"})
     for i in range(nodes):
-        feed.put(feed.ks.node(f"n{i}"), NodeRecord(f"n{i}", "a:1", offers=True).to_json())
-    blocks = []
+        put(ks.node(f"n{i}"), NodeRecord(f"n{i}", "a:1", offers=True).to_json())
     for first in range(0, 8 * nodes, 2):
-        bref = BlockRef("w", "e", first)
-        feed.put(feed.ks.block(bref), {"params": [{"i": first}, {"i": first + 1}]})
-        blocks.append(bref)
-    feed.put(feed.ks.expanded("w", "e"), {"count": 8 * nodes})
-    return feed, blocks
+        put(ks.block(BlockRef("w", "e", first)), {"params": [{"i": first}, {"i": first + 1}]})
+    put(ks.expanded("w", "e"), {"count": 8 * nodes})
+    return view
 
 
 def timed(fn: Any) -> float:
@@ -82,11 +74,12 @@ def timed(fn: Any) -> float:
 
 
 def measure(nodes: int, claims: int, rounds: int) -> dict[str, Any]:
-    feed, _ = mesh(nodes)
-    offers = Offers(cast(Any, SimpleNamespace(view=feed.view)))
+    view = mesh(nodes)
+    offers = Offers(cast(Any, SimpleNamespace(view=view)))
     offers.changes(0.0)
-    whole = [timed(lambda: plan_offers(feed.view, {}, current=offers._written))
+    whole = [timed(lambda: plan_offers(view, {}, current=offers._written))
              for _ in range(rounds)]
+    rev = view.revision
     idle = [timed(lambda: offers.changes(0.1)) for _ in range(rounds)]
     busy, written = [], []
     for r in range(rounds):
@@ -94,7 +87,9 @@ def measure(nodes: int, claims: int, rounds: int) -> dict[str, Any]:
             name = f"n{(r * claims + i) % nodes}"
             held = offers._written.get(name) or ()
             if held:
-                feed.put(feed.ks.block_claim(held[0]), {"node": name, "lease": 1})
+                rev += 1
+                view.apply(view.ks.block_claim(held[0]), dumps({"node": name, "lease": 1}),
+                           rev, rev)
         t0 = time.perf_counter()
         out = offers.changes(0.2 + r * 0.01)
         busy.append(time.perf_counter() - t0)
