@@ -6,8 +6,11 @@ agent already holds (its mirror of etcd, its gossip table, its telemetry, the
 families (pure: no I/O, table-testable). Figures derived from etcd's records are
 exposed as counters: they only grow while the records exist.
 
-Mesh-wide families (``hypermesh_mesh_*``) are the same on every agent (each mirrors
-the whole namespace): aggregate them with ``max``, not ``sum``. ``hypermesh_node_*``
+Mesh-wide families (``hypermesh_mesh_*``) are the same on every agent that mirrors
+the whole namespace: aggregate them with ``max``, not ``sum``. A node started with
+``--watch own`` exports them only while it leads (its view is then whole); its
+``hypermesh_node_*`` attempt figures add what its own flushes recorded of the blocks it
+ran, which its view does not hold. ``hypermesh_node_*``
 families are this node's own. Tasks and workflows by state are counted as
 ``hypermesh status`` counts them (tasks of experiments not yet expanded are pending or
 cancelled), from per-experiment counts the mirror keeps; the attempt figures scan every
@@ -44,7 +47,7 @@ from hypermesh.agent.ops.usage import NodeSample, TaskUsage
 from hypermesh.chunkfs.mount import STATS_FILE
 from hypermesh.errors import HypermeshError
 from hypermesh.state.folding import AttemptKey
-from hypermesh.state.records import Attempt
+from hypermesh.state.records import LOST_REASONS, Attempt
 
 if TYPE_CHECKING:
     from hypermesh.agent.gossip.duty import Gossip
@@ -55,7 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOST_REASONS = ("node-lost", "preempted")
 READ_TIMEOUT_S = 5.0
 MOUNT_STATS_TIMEOUT_S = 3.0
 MAX_REQUEST_BYTES = 16 * 1024
@@ -70,6 +72,7 @@ class Snapshot:
     state: str = "alive"
     serving: bool = True
     leader: bool = False
+    whole: bool = True  # the node's view holds the whole namespace (not --watch own)
     slots: int = 0
     running: int = 0
     tasks_by_state: Counter[str] = field(default_factory=Counter)
@@ -86,6 +89,14 @@ class Snapshot:
     task_usage: list[TaskUsage] = field(default_factory=list)
 
 
+class BlockCounts(Protocol):
+    """What a node recorded of the blocks it ran (``agent/tasks/blocks.py``)."""
+
+    recoveries: int
+
+    def own_attempts(self) -> Counter[tuple[str, str]]: ...
+
+
 class MeteredAgent(Protocol):
     """What a scrape reads of the agent (it changes none of it)."""
 
@@ -94,6 +105,10 @@ class MeteredAgent(Protocol):
     telemetry: Telemetry
     gossip: Gossip
     mounts: Mounts
+    view_whole: asyncio.Event
+
+    @property
+    def blocks(self) -> BlockCounts: ...
 
     @property
     def running(self) -> Sized: ...
@@ -121,14 +136,22 @@ def snapshot(agent: MeteredAgent) -> Snapshot:
         telemetry=agent.telemetry.latest(),
         task_usage=list(agent.telemetry.tasks),
     )
-    for wid in view.workflows:  # as `hypermesh status` counts them, at O(experiments)
-        summary = view.workflow_summary(wid)
-        snap.workflows_by_state[summary["state"]] += 1
-        for exp in summary["experiments"].values():
-            for state in ("pending", "running", "succeeded", "failed", "cancelled"):
-                snap.tasks_by_state[state] += exp[state]
+    snap.whole = agent.view_whole.is_set()
+    if snap.whole:
+        for wid in view.workflows:  # as `hypermesh status` counts them, at O(experiments)
+            summary = view.workflow_summary(wid)
+            snap.workflows_by_state[summary["state"]] += 1
+            for exp in summary["experiments"].values():
+                for state in ("pending", "running", "succeeded", "failed", "cancelled"):
+                    snap.tasks_by_state[state] += exp[state]
     count_attempts(snap, view.attempts.values())
     count_folded_attempts(snap, view.folded_attempts())
+    if not snap.whole:
+        # It sees no block: what it ran of them is what its own flushes recorded, and
+        # the mesh-wide families are left to nodes that see everything (the leader).
+        snap.node_attempts.update(agent.blocks.own_attempts())
+        snap.node_recoveries += agent.blocks.recoveries
+        snap.mesh_lost_attempts.clear()
     members = agent.gossip.members()
     snap.gossip_members.update(m.state for m in members.members)
     snap.gossip_local_health = members.local_health
@@ -215,13 +238,14 @@ def families(s: Snapshot) -> list[Metric]:
     recoveries.add_metric([s.node], s.node_recoveries)
     out.append(recoveries)
 
-    out.append(_by_label("hypermesh_mesh_tasks", "Tasks in the mesh by state.", "state",
-                         s.tasks_by_state, gauge_type=True))
-    out.append(_by_label("hypermesh_mesh_workflows", "Workflows in the mesh by state.", "state",
-                         s.workflows_by_state, gauge_type=True))
-    out.append(_by_label("hypermesh_mesh_lost_attempts",
-                         "Attempts that ended because their node was lost or preempted.",
-                         "reason", s.mesh_lost_attempts, gauge_type=False))
+    if s.whole:  # a node that watches only its own part cannot count the mesh's
+        out.append(_by_label("hypermesh_mesh_tasks", "Tasks in the mesh by state.", "state",
+                             s.tasks_by_state, gauge_type=True))
+        out.append(_by_label("hypermesh_mesh_workflows", "Workflows in the mesh by state.",
+                             "state", s.workflows_by_state, gauge_type=True))
+        out.append(_by_label("hypermesh_mesh_lost_attempts",
+                             "Attempts that ended because their node was lost or preempted.",
+                             "reason", s.mesh_lost_attempts, gauge_type=False))
 
     members = GaugeMetricFamily(
         "hypermesh_gossip_members", "Gossip members by state, as this node sees them.",

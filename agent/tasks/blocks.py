@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +39,7 @@ from hypermesh.state.block_txns import (
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
 from hypermesh.state.fit import allowed_on
 from hypermesh.state.keyspace import BlockRef, TaskRef
-from hypermesh.state.records import COUNTED_REASONS, TERMINAL, NodeRecord
+from hypermesh.state.records import COUNTED_REASONS, LOST_REASONS, TERMINAL, NodeRecord
 from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ class HeldBlock:
     results: list[ResultEntry] = field(default_factory=list)
     releasing: bool = False  # start nothing more; give the block back once idle
     params: list[dict[str, Any]] | None = None  # read with the claim (``--watch own``)
+    recovering: set[int] = field(default_factory=set)  # last attempt lost (``--watch own``)
 
     @property
     def complete(self) -> bool:
@@ -178,6 +179,11 @@ class BlockDuty:
         # ``--watch own``: offered blocks this node lost a claim of, or gave back, and the
         # revision it did: an offer older than that is stale for them.
         self._passed: dict[BlockRef, int] = {}
+        # What this node ran of blocks, as its flushes recorded it, for its /metrics where
+        # its view holds no block (``--watch own``): ended attempts by (state, reason),
+        # and the tasks it took over after their last attempt was lost.
+        self.ended_attempts: Counter[tuple[str, str]] = Counter()
+        self.recoveries = 0
 
     @property
     def own(self) -> bool:
@@ -273,6 +279,8 @@ class BlockDuty:
                   for i in range(len(attempts))]
         block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
                           unfinished=set(todo), params=params)
+        block.recovering = {index for index, *_ in left} | {
+            index for index in todo if _last_reason(scratch, bref.task(index)) in LOST_REASONS}
         for entry in lost_entries(left, time.time()):
             block.pending[(entry.index, entry.attempt)] = entry
         self.held[bref] = block
@@ -294,6 +302,9 @@ class BlockDuty:
                 continue
             if block.todo:
                 index = block.todo.popleft()
+                if index in block.recovering:
+                    block.recovering.discard(index)
+                    self.recoveries += 1
                 block.attempts[index] += 1
                 n = block.attempts[index]
                 block.running.add(index)
@@ -399,6 +410,8 @@ class BlockDuty:
                                             for i in block.running])
             return
         self._wrote(written)
+        self.ended_attempts.update((e.state, e.reason or "") for e in flushed.values()
+                          if e.node is None and e.state != "running")
         for key, entry in flushed.items():
             if block.pending.get(key) is entry:  # not replaced by a later record meanwhile
                 del block.pending[key]
@@ -410,6 +423,12 @@ class BlockDuty:
             agent.decide(f"block {block.ref} {done}")
             agent.wake()
 
+    def own_attempts(self) -> Counter[tuple[str, str]]:
+        """This node's attempts of blocks by (state, reason): those its flushes recorded
+        as ended, and those running now."""
+        running = sum(len(b.running) for b in self.held.values())
+        return self.ended_attempts + Counter({("running", ""): running})
+
     def _stop_attempts(self, bref: BlockRef, refs: list[TaskRef]) -> None:
         """A held block's claim is gone: its attempts here stop now (their results
         would be rejected, and a peer may be running them already)."""
@@ -418,3 +437,9 @@ class BlockDuty:
             r = running.get(ref)
             if r is not None and r.block == bref and r.process is not None:
                 r.process.stop("node-lost", grace=0)
+
+
+def _last_reason(view: MeshView, ref: TaskRef) -> str | None:
+    """Why the last recorded attempt of ``ref`` ended, if it has one."""
+    attempts = view.attempts.get(ref)
+    return attempts[max(attempts)].reason if attempts else None

@@ -24,6 +24,7 @@ TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 # against ``retries``. ``pruned``: the search stopped a trial early; its attempt and task
 # end succeeded. ``image``: the node could not pull the task's image (the log says why).
 REASONS = ("exit", "node-lost", "preempted", "cancelled", "timeout", "data", "pruned", "image")
+LOST_REASONS = ("node-lost", "preempted")  # its node was lost, not the task
 # Failures that count against an experiment's retries (a lost or preempted node does not).
 COUNTED_REASONS = frozenset({"exit", "timeout", "data", "image"})
 

@@ -228,3 +228,49 @@ experiments:
     assert m[("hypermesh_node_recoveries_total", ())] == 1
     assert m[("hypermesh_mesh_lost_attempts_total", (("reason", "node-lost"),))] == 1
     assert m[("hypermesh_node_attempts_total", (("reason", "exit"), ("state", "succeeded")))] == 1
+
+
+def test_a_node_that_watches_its_own_part_counts_the_blocks_it_ran(mesh: Mesh) -> None:
+    """``--watch own``: a follower's view has no block, so its attempt figures come from
+    its own flushes, and it leaves the mesh-wide families to the leader, whose view is
+    whole. A block taken over from a killed holder counts as the taker's recovery."""
+    own = ("--watch", "own")
+    lead = mesh.agent("node1", slots=1, extra=(*own, "--pool", "lead"))  # runs nothing
+    wait_for(lambda: [n["name"] for n in mesh.hm_json("nodes") if n["leader"]] == ["node1"],
+             30, "node1 to lead")
+    followers = {n: mesh.agent(n, slots=1, extra=own) for n in ("node2", "node3")}
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  hold:
+    samples: 2
+    batch: 2
+    pools: [default]
+    command:
+      - >-
+        if [ "$HM_ATTEMPT" = 1 ] && [ {{task_index}} = 0 ];
+        then echo $$ > "$HM_ATTEMPT_DIR/pid"; exec sleep 120; fi
+"""
+    )
+    wid = mesh.submit(recipe)
+
+    def holder() -> str | None:
+        task = next(t for t in mesh.hm_json("tasks", wid) if t["index"] == 0)
+        return task["node"] if task["state"] == "running" else None
+
+    first = followers[cast(str, wait_for(holder, 30, "task 0 to run"))]
+    pid = task_pid(first, f"{wid}.hold.0")
+    first.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded"
+    taker = next(a for n, a in followers.items() if a is not first)
+    m = parse(scrape((taker.work_dir / "agent.metrics").read_text().strip()))
+    assert m[("hypermesh_node_recoveries_total", ())] == 1
+    assert m[("hypermesh_node_attempts_total", (("reason", "exit"), ("state", "succeeded")))] == 2
+    assert m[("hypermesh_node_claims_total", ())] == 2
+    assert not any(name.startswith("hypermesh_mesh_") for name, _ in m)
+    led = parse(scrape((lead.work_dir / "agent.metrics").read_text().strip()))
+    assert led[("hypermesh_mesh_tasks", (("state", "succeeded"),))] == 2
+    assert led[("hypermesh_mesh_lost_attempts_total", (("reason", "node-lost"),))] == 1
+    assert led[("hypermesh_node_claims_total", ())] == 0
