@@ -40,6 +40,7 @@ _PORT_NAMES = (
     "s3.port",
     "s3.port.grpc",
 )
+PORT_TRIES = 3  # first starts whose ports another process took meanwhile
 
 
 def weed_binary() -> str:
@@ -83,6 +84,7 @@ class S3Server:
         self.volume_size_limit_mb = volume_size_limit_mb
         self.volume_max = volume_max
         self.proc: subprocess.Popen[bytes] | None = None
+        self._started = False  # once it served, its ports are its own: kept on restarts
 
     @property
     def port(self) -> int:
@@ -149,10 +151,26 @@ class S3Server:
             client.close()
 
     def start(self, timeout: float = 60.0) -> S3Server:
+        """Start the server and wait until it serves. A first start whose ports were
+        taken meanwhile (``free_port`` finds a port free, and weed binds its eight ports
+        over a few seconds, while other servers draw ports too) tries again on fresh
+        ports; a restart keeps its ports, so it fails instead."""
         if self.proc is not None:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "data").mkdir(exist_ok=True)
+        for tries_left in reversed(range(PORT_TRIES)):
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                taken = "address already in use" in self._log_since(logged)
+                if self._started or not taken or not tries_left:
+                    raise
+            self.ports = {name: free_port() for name in _PORT_NAMES}
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> S3Server:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(),
@@ -167,7 +185,14 @@ class S3Server:
         except BaseException:
             self.stop()
             raise
+        self._started = True
         return self
+
+    def _log_since(self, offset: int) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+        return ""
 
     def command(self) -> list[str]:
         """The ``weed server`` command line of this server."""

@@ -1,13 +1,16 @@
-"""Ports of local servers: drawn where no outgoing connection can take them meanwhile."""
+"""Ports of local servers: drawn where no outgoing connection can take them meanwhile,
+and drawn again when another process took one before the server bound it."""
 
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
 from hypermesh.local import processes
 from hypermesh.local.processes import free_port
+from hypermesh.local.s3server import S3Server
 
 
 def test_a_free_port_lies_below_the_ephemeral_range_and_can_be_bound() -> None:
@@ -35,3 +38,25 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.Monke
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_first_start_whose_port_was_taken_tries_fresh_ports_and_a_restart_does_not(
+    tmp_path: Path,
+) -> None:
+    # Another process binds one of the server's ports between free_port and weed's bind.
+    server = S3Server(tmp_path / "s3")
+    drawn = dict(server.ports)
+    with socket.create_server(("127.0.0.1", drawn["filer.port.grpc"])):
+        try:
+            server.start()
+            assert server.ports != drawn and server.proc is not None
+            assert "address already in use" in server.log_path.read_text()
+            server.make_bucket("after")  # it serves, on its new ports
+            server.stop()
+            with socket.create_server(("127.0.0.1", server.ports["filer.port.grpc"])):
+                kept = dict(server.ports)
+                with pytest.raises(RuntimeError, match="address already in use"):
+                    server.start()
+                assert server.ports == kept and server.proc is None
+        finally:
+            server.stop()
