@@ -90,7 +90,21 @@ def plan_offers(
                     break
             if not hungry:
                 break
+    _share(view, nodes, plan)
     return {name: tuple(blocks) for name, blocks in plan.items()}
+
+
+def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]]) -> None:
+    """No node is left with nothing while another holds two blocks: the one with nothing
+    takes the other's last. Without this, a node that joins once every block is offered
+    (a burst node, provisioned for exactly that backlog) would wait while the busy
+    nodes' offers keep the next blocks for later."""
+    donors = [name for name in nodes if len(plan[name]) > 1]
+    for name in (n for n in nodes if not plan[n]):
+        for donor in donors:
+            if len(plan[donor]) > 1 and _open_to(view, plan[donor][-1], nodes[name]):
+                plan[name].append(plan[donor].pop())
+                break
 
 
 def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord) -> bool:

@@ -75,6 +75,20 @@ def test_changes_to_nodes_or_workflows_and_the_rescan_plan_everything_again() ->
     assert offers.changes(RESCAN_S + 2) == [("n1", ()), ("n3", ())]
 
 
+def test_a_node_that_joins_once_every_block_is_offered_takes_a_busy_nodes_second() -> None:
+    # A burst node arrives for the backlog: the blocks kept in the busy node's offer for
+    # later go to it, or it would idle until its idle timeout released it.
+    feed, b = offered_feed({"n1": True}, 3)
+    offers = offers_of(feed)
+    assert offers.changes(0.0) == [("n1", (b[0], b[1]))]
+    claim(feed, b[0], "n1")
+    assert offers.changes(0.1) == [("n1", (b[1], b[2]))]
+    feed.put(feed.ks.node("n2"), NodeRecord("n2", "a:1", offers=True).to_json())
+    assert offers.changes(0.2) == [("n1", (b[1],)), ("n2", (b[2],))]
+    feed.put(feed.ks.node("n3"), NodeRecord("n3", "a:1", offers=True).to_json())
+    assert offers.changes(0.3) == []  # one block each is as far as sharing goes
+
+
 def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:
     feed, _ = offered_feed({"n1": True}, 4)
     offers = offers_of(feed)
