@@ -238,7 +238,7 @@ class Offers:
                 self._short[node] = None
         if self._waiting:
             for node in list(self._short):
-                blocks = changed.get(node) or list(self._written.get(node) or ())
+                blocks = changed.get(node, list(self._written.get(node) or ()))
                 self._fill(view, node, blocks)
                 changed[node] = blocks
                 if not self._waiting:

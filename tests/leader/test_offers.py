@@ -56,6 +56,15 @@ def test_a_round_looks_only_at_what_changed_and_writes_one_offer_per_claim() -> 
     assert offers.changes(0.6) == [("n1", (b[4], b[5]))]
 
 
+def test_an_offer_whose_every_block_went_elsewhere_is_filled_again() -> None:
+    feed, b = offered_feed({"n1": True}, 4)
+    offers = offers_of(feed)
+    offers.changes(0.0)
+    claim(feed, b[0], "self")  # a node that chooses itself took both offered blocks
+    claim(feed, b[1], "self")
+    assert offers.changes(0.1) == [("n1", (b[2], b[3]))]
+
+
 def test_changes_to_nodes_or_workflows_and_the_rescan_plan_everything_again() -> None:
     feed, b = offered_feed({"n1": True, "n2": True}, 6)
     offers = offers_of(feed)
