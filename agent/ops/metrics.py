@@ -7,13 +7,13 @@ families (pure: no I/O, table-testable). Figures derived from etcd's records are
 exposed as counters: they only grow while the records exist.
 
 Mesh-wide families (``hypermesh_mesh_*``) are the same on every agent that mirrors
-the whole namespace: aggregate them with ``max``, not ``sum``. A node started with
-``--watch own`` exports them only while it leads (its view is then whole); its
-``hypermesh_node_*`` attempt figures add what its own flushes recorded of the blocks it
-ran, which its view does not hold. ``hypermesh_node_*``
-families are this node's own. Tasks and workflows by state are counted as
-``hypermesh status`` counts them (tasks of experiments not yet expanded are pending or
-cancelled), from per-experiment counts the mirror keeps; the attempt figures scan every
+the whole namespace: aggregate them with ``max``, not ``sum``. ``hypermesh_node_*``
+families are this node's own. A node started with ``--watch own`` exports the mesh-wide
+families only while it leads (its view is then whole), and its attempt figures add what
+its own flushes recorded of the blocks it ran, which its view does not hold. Tasks
+and workflows by state are counted as ``hypermesh status`` counts them (tasks of
+experiments not yet expanded are pending or cancelled), from per-experiment counts the
+mirror keeps; the attempt figures scan every
 attempt in the mirror (about 60 ms per 100,000 attempts on the test machine, once per
 scrape).
 

@@ -411,7 +411,7 @@ class BlockDuty:
             return
         self._wrote(written)
         self.ended_attempts.update((e.state, e.reason or "") for e in flushed.values()
-                          if e.node is None and e.state != "running")
+                                   if e.node is None and e.state != "running")
         for key, entry in flushed.items():
             if block.pending.get(key) is entry:  # not replaced by a later record meanwhile
                 del block.pending[key]

@@ -592,10 +592,11 @@ class Etcd:
         outage is retried with backoff.
 
         ``ranges``: only the keys in these ``[start, end)`` ranges (within ``prefix``),
-        loaded at one revision and each watched on the one stream: a change arrives
-        after every change etcd made before it, in any of them, which separate watches
-        cannot promise, and changes elsewhere are never sent (``Keyspace.own_ranges``;
-        ``submit --wait`` follows three keys this way).
+        loaded at one revision and each watched on the one stream; changes elsewhere
+        are never sent (``Keyspace.own_ranges``; ``submit --wait`` follows three keys
+        this way). Each range's changes come in etcd's order, and ``on_batch`` gets a
+        revision every range has caught up with; across ranges, a stream catching up
+        after a resume may interleave (``hypermesh/etcd_watch.py``).
 
         A (re)load applies the keys under ``first`` before the others (the load is one
         snapshot: any order gives the same state), and calls ``tidy`` every
