@@ -4,10 +4,11 @@ A held block is a queue of task indices this node runs in its own free slots, an
 the attempt records and results not yet written. ``BlockDuty`` chooses and claims a
 new block when the node has free slots and its blocks have nothing left to start,
 starts indices through the agent's normal attempt path, and flushes what ended
-every ``FLUSH_S`` (or sooner when much is waiting), one fenced transaction per
-block. A block is released (its claim deleted in its last flush) when every task has
-its result, or when the node drains or the experiment is cancelled; a block whose
-fence fails is dropped at once: its claim is gone, so a peer may be running it.
+once per window (``flush_window``: longer in a larger mesh; sooner when much is
+waiting), one fenced transaction per block. A block is released (its claim deleted in
+its last flush) when every task has its result, or when the node drains or the
+experiment is cancelled; a block whose fence fails is dropped at once: its claim is
+gone, so a peer may be running it.
 
 Starts are recorded in the next flush, not before the process starts: if the node
 dies within one flush period of a start, that attempt leaves no record (its task
@@ -52,7 +53,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.05
-"""How long ended attempts wait to share a flush (seconds)."""
+"""How long ended attempts wait to share a flush in a small mesh (seconds)."""
+
+FLUSH_MAX_S = 10.0
+"""The longest they wait, in a mesh however large."""
 
 FLUSH_AT = 64
 """Records waiting that make a flush start at once."""
@@ -375,8 +379,10 @@ class BlockDuty:
                     async with asyncio.timeout(1.0):
                         await self._flush_now.wait()
                 continue
+            view = self.agent.view
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(FLUSH_S):
+                async with asyncio.timeout(flush_window(len(view.nodes),
+                                                        view.settings.flush_rate)):
                     await self._flush_now.wait()
             self._flush_now.clear()
             for block in list(self.held.values()):
@@ -437,6 +443,17 @@ class BlockDuty:
             r = running.get(ref)
             if r is not None and r.block == bref and r.process is not None:
                 r.process.stop("node-lost", grace=0)
+
+
+def flush_window(members: int, flush_rate: int) -> float:
+    """Seconds a node's ended attempts wait to share a flush in a mesh of ``members``
+    nodes that write ``flush_rate`` batches a second at most, all together
+    (``MeshSettings.flush_rate``): ``FLUSH_S`` in a small mesh, longer in proportion to
+    the members past that, so that the writes etcd takes and the events the leader
+    receives stay within the budget however many nodes end tasks at once, up to
+    ``FLUSH_MAX_S``. Nomad spaces its clients' heartbeats the same way (a rate the
+    servers take, divided among the clients)."""
+    return min(FLUSH_MAX_S, max(FLUSH_S, members / max(1, flush_rate)))
 
 
 def _last_reason(view: MeshView, ref: TaskRef) -> str | None:

@@ -26,6 +26,10 @@ async def settings(mesh: Mesh, assignments: tuple[str, ...], as_json: bool) -> N
       max-workflow-tasks  tasks one workflow may plan (default 1000000)
       retention           how long a finished workflow is kept, e.g. 7d;
                           0 keeps it until `hypermesh delete` (default 7d)
+      flush-rate          batches of results the mesh's nodes write a second,
+                          all together (default 200): each node writes its
+                          results at most every NODES/flush-rate seconds
+                          (0.05 s to 10 s)
     """
     async with mesh.connect() as etcd:
         if assignments:
@@ -38,3 +42,4 @@ async def settings(mesh: Mesh, assignments: tuple[str, ...], as_json: bool) -> N
     click.echo(f"max-workflow-tasks  {current.max_workflow_tasks}")
     keep = format_duration(current.retention) if current.retention else "0 (kept)"
     click.echo(f"retention           {keep}")
+    click.echo(f"flush-rate          {current.flush_rate}")

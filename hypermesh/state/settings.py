@@ -19,7 +19,10 @@ from hypermesh.state.keyspace import Keyspace
 
 DEFAULT_MAX_WORKFLOW_TASKS = 1_000_000
 DEFAULT_RETENTION_S = 7 * 86400.0
+DEFAULT_FLUSH_RATE = 200
 MAX_WORKFLOW_TASKS_LIMIT = 10**9  # what the setting itself may be raised to
+MAX_FLUSH_RATE = 1_000_000
+NAMES = "max-workflow-tasks, retention, flush-rate"
 
 
 @dataclass(frozen=True)
@@ -30,19 +33,20 @@ class MeshSettings:
     retention: float = DEFAULT_RETENTION_S
     """Seconds a finished workflow is kept before the leader deletes it; 0 keeps it."""
 
+    flush_rate: int = DEFAULT_FLUSH_RATE
+    """Batches of block results a second that the mesh's nodes write, all together, when
+    every node is ending tasks all the time: each node writes its own at most every
+    ``members / flush_rate`` seconds (``hypermesh.agent.tasks.blocks.flush_window``)."""
+
     def __post_init__(self) -> None:
-        if isinstance(self.max_workflow_tasks, bool) or not isinstance(
-            self.max_workflow_tasks, int
-        ) or not 1 <= self.max_workflow_tasks <= MAX_WORKFLOW_TASKS_LIMIT:
-            raise UsageError(
-                f"max-workflow-tasks must be an integer from 1 to {MAX_WORKFLOW_TASKS_LIMIT}, "
-                f"not {self.max_workflow_tasks!r}"
-            )
+        _check_count("max-workflow-tasks", self.max_workflow_tasks, MAX_WORKFLOW_TASKS_LIMIT)
         if not 0 <= self.retention <= 100 * 365 * 86400:
             raise UsageError(f"retention must be 0 (keep) to 100 years, not {self.retention!r}")
+        _check_count("flush-rate", self.flush_rate, MAX_FLUSH_RATE)
 
     def to_json(self) -> dict[str, Any]:
-        return {"max_workflow_tasks": self.max_workflow_tasks, "retention": self.retention}
+        return {"max_workflow_tasks": self.max_workflow_tasks, "retention": self.retention,
+                "flush_rate": self.flush_rate}
 
     @classmethod
     def from_json(cls, data: Any) -> MeshSettings:
@@ -55,24 +59,29 @@ class MeshSettings:
 
     def changed(self, assignments: list[str]) -> MeshSettings:
         """These settings with ``NAME=VALUE`` assignments applied (CLI spelling, e.g.
-        ``max-workflow-tasks=5000``, ``retention=3d``; ``retention=0`` keeps forever)."""
+        ``max-workflow-tasks=5000``, ``retention=3d``, ``flush-rate=500``; ``retention=0``
+        keeps forever)."""
         changes: dict[str, Any] = {}
         for assignment in assignments:
             name, sep, value = assignment.partition("=")
             field = name.strip().replace("-", "_")
             if not sep or field not in {f.name for f in dataclasses.fields(self)}:
                 raise UsageError(
-                    f"{assignment!r}: expected NAME=VALUE with NAME one of "
-                    "max-workflow-tasks, retention"
+                    f"{assignment!r}: expected NAME=VALUE with NAME one of {NAMES}"
                 )
             try:
-                if field == "max_workflow_tasks":
+                if field in ("max_workflow_tasks", "flush_rate"):
                     changes[field] = int(value.strip().replace("_", ""))
                 else:
                     changes[field] = parse_duration(value.strip())
             except (ValueError, UnitError) as exc:
                 raise UsageError(f"{name}: {exc}") from exc
         return dataclasses.replace(self, **changes)
+
+
+def _check_count(name: str, value: Any, most: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        raise UsageError(f"{name} must be an integer from 1 to {most}, not {value!r}")
 
 
 async def load_settings(etcd: Etcd, ks: Keyspace) -> tuple[MeshSettings, int]:

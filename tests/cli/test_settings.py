@@ -10,7 +10,12 @@ import pytest
 from hypermesh.errors import UsageError
 from hypermesh.state.keyspace import Keyspace
 from hypermesh.state.mirror import Mirror
-from hypermesh.state.settings import DEFAULT_MAX_WORKFLOW_TASKS, DEFAULT_RETENTION_S, MeshSettings
+from hypermesh.state.settings import (
+    DEFAULT_FLUSH_RATE,
+    DEFAULT_MAX_WORKFLOW_TASKS,
+    DEFAULT_RETENTION_S,
+    MeshSettings,
+)
 from tests.conftest import Mesh
 
 
@@ -18,13 +23,17 @@ def test_settings_start_at_the_defaults_and_change_one_at_a_time(mesh: Mesh) -> 
     assert mesh.hm_json("settings") == {
         "max_workflow_tasks": DEFAULT_MAX_WORKFLOW_TASKS,
         "retention": DEFAULT_RETENTION_S,
+        "flush_rate": DEFAULT_FLUSH_RATE,
     }
     mesh.hm("settings", "max-workflow-tasks=5000", check=True)
     shown = mesh.hm_json("settings", "retention=2h")  # the cap set before stays
-    assert shown == {"max_workflow_tasks": 5000, "retention": 7200.0}
-    assert mesh.hm_json("settings") == shown
+    assert shown == {"max_workflow_tasks": 5000, "retention": 7200.0,
+                     "flush_rate": DEFAULT_FLUSH_RATE}
+    assert mesh.hm_json("settings", "flush-rate=1_000") == shown | {"flush_rate": 1000}
+    assert mesh.hm_json("settings") == shown | {"flush_rate": 1000}
     table = mesh.hm("settings", check=True).stdout
     assert "max-workflow-tasks  5000" in table and "retention           2h" in table
+    assert "flush-rate          1000" in table
 
 
 @pytest.mark.parametrize(
@@ -33,7 +42,9 @@ def test_settings_start_at_the_defaults_and_change_one_at_a_time(mesh: Mesh) -> 
         ("max-workflow-tasks=0", "max-workflow-tasks must be an integer from 1"),
         ("max-workflow-tasks=lots", "max-workflow-tasks"),
         ("retention=-3d", "retention"),
-        ("colour=blue", "NAME one of max-workflow-tasks, retention"),
+        ("flush-rate=0", "flush-rate must be an integer from 1"),
+        ("flush-rate=1.5", "flush-rate"),
+        ("colour=blue", "NAME one of max-workflow-tasks, retention, flush-rate"),
         ("retention", "expected NAME=VALUE"),
     ],
 )
@@ -54,7 +65,12 @@ def test_the_mirror_reads_the_settings_key() -> None:
     mirror.apply(ks.settings, json.dumps({"max_workflow_tasks": 9, "later": 1}).encode(), 1, 1)
     assert mirror.settings.max_workflow_tasks == 9
     assert mirror.settings.retention == DEFAULT_RETENTION_S
-    mirror.apply(ks.settings, None, 0, 2)
+    assert mirror.settings.flush_rate == DEFAULT_FLUSH_RATE
+    mirror.apply(ks.settings, json.dumps({"flush_rate": 7}).encode(), 1, 2)
+    assert mirror.settings.flush_rate == 7
+    mirror.apply(ks.settings, None, 0, 3)
     assert mirror.settings == MeshSettings()
     with pytest.raises(UsageError):
         MeshSettings(max_workflow_tasks=True)
+    with pytest.raises(UsageError):
+        MeshSettings(flush_rate=True)

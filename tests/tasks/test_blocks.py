@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from hypermesh.agent.tasks.blocks import choose_block
+from hypermesh.agent.tasks.blocks import FLUSH_MAX_S, FLUSH_S, choose_block, flush_window
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.recipe.recipe import parse_recipe, why_not_batched
 from hypermesh.state.block_txns import claim_block, flush_block, lost_entries
@@ -348,3 +348,11 @@ def test_deleting_a_workflows_batches_undoes_them_applied_or_deferred(seed: int)
     assert not eager.results and not any(eager.attempts.values())
     assert eager.block_unfinished(BlockRef("w", "e", 0)) == 4
     assert lazy.block_unfinished(BlockRef("w", "e", 4)) == 4
+
+
+def test_the_flush_window_grows_with_the_mesh_to_keep_its_writes_within_the_rate() -> None:
+    assert flush_window(0, 200) == flush_window(10, 200) == FLUSH_S  # a small mesh
+    assert flush_window(32, 200) == pytest.approx(0.16)
+    assert flush_window(1000, 200) == pytest.approx(5.0)  # 200 writes a second in all
+    assert flush_window(1000, 1000) == pytest.approx(1.0)
+    assert flush_window(100_000, 200) == FLUSH_MAX_S  # results are never held longer

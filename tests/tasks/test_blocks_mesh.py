@@ -8,13 +8,16 @@ of every process it started, pauses SIGSTOP past the lease."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import time
 
 import pytest
 
 from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.processes import wait_for
+from hypermesh.state.blocks import Batch
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from tests.conftest import Mesh, process_gone, task_pid
@@ -149,3 +152,40 @@ def test_cancel_stops_a_held_block(mesh: Mesh, watch: str) -> None:
     wait_for(lambda: keys_of(mesh, "bclaim", wid) == [], 15, "the block to be given back")
     states = {t["state"] for t in mesh.hm_json("tasks", wid)}
     assert states == {"cancelled"}
+
+
+def test_a_nodes_results_wait_members_over_flush_rate_seconds_to_share_a_write(
+    mesh: Mesh,
+) -> None:
+    """``flush_window``: in a mesh of two with ``flush-rate=2``, a node writes its
+    results at most once a second, so the result of a task that ends while the next of
+    its block runs reaches etcd about a second after it ended (50 ms with the default
+    rate, or if either the members or the rate were left out)."""
+    for name in ("node1", "node2"):
+        mesh.agent(name, slots=1)
+    mesh.hm("settings", "flush-rate=2", check=True)
+    recipe = mesh.write_recipe(
+        "experiments:\n  two:\n    samples: 2\n    batch: 2\n"
+        "    command: ['sleep $(( 4 * HM_TASK_INDEX ))']\n"
+    )
+    wid = mesh.submit(recipe)
+
+    async def first_result() -> tuple[float, float]:
+        """When this test first read task 0's result, and when the task ended."""
+        prefix = Keyspace(mesh.namespace).kind_prefix("bdone", wid)
+        async with Etcd(parse_endpoints(mesh.etcd.url)) as etcd:
+            async with asyncio.timeout(30):
+                while True:
+                    kvs, _ = await etcd.get_prefix(prefix)
+                    read_at = time.time()
+                    for kv in kvs:
+                        batch = Batch.from_json(json.loads(kv.value))
+                        for r in batch.results:
+                            if r.index == 0:
+                                return read_at, r.ended_at
+                    await asyncio.sleep(0.02)
+
+    read_at, ended_at = asyncio.run(first_result())
+    assert read_at - ended_at >= 0.7, (read_at, ended_at)
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)
+    assert status["state"] == "succeeded", status
