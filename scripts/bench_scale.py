@@ -26,7 +26,8 @@ watcher's callback, same process and clock: it includes the watchers' own event-
 backlog).
 
     .venv/bin/python scripts/bench_scale.py mesh --agents 32 --slots 1 --tasks 4000
-        [--rounds 1] [--idle-seconds 20] [--settle 5] [--preset lan|local] [--json]
+        [--rounds 1] [--idle-seconds 20] [--settle 5] [--preset lan|local]
+        [--flush-rate N] [--json]
     .venv/bin/python scripts/bench_scale.py watchers --watchers 1000 --writes 200
         [--connections 4] [--rate 10] [--json]
 
@@ -444,6 +445,10 @@ def _measure_mesh(
     def cpu() -> list[tuple[float, float]]:
         return [proc_cpu(pid) for pid in pids]
 
+    if args.flush_rate is not None:
+        done = _cli(["settings", f"flush-rate={args.flush_rate}"], env, 60)
+        if done.returncode:
+            raise BenchError(f"settings flush-rate exited {done.returncode}: {done.stderr}")
     m0, a0, e0, c0 = cluster_metrics(mesh), cpu(), cluster_cpu(mesh), children_cpu()
     start = time.perf_counter()
     try:
@@ -725,6 +730,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the agents' --watch: own = blocks from the leader's offers [all]")
     m.add_argument("--block", type=int, default=None,
                    help="the recipe's batch (tasks per block) [automatic]")
+    m.add_argument("--flush-rate", type=int, default=None,
+                   help="the mesh setting flush-rate, set before the submit [its default]")
     m.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     w = sub.add_parser("watchers", help="etcd alone: watch fan-out to W watchers")
     w.add_argument("--watchers", type=int, required=True)

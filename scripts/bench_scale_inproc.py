@@ -41,7 +41,8 @@ divided by N), etcd's writes, Range RPCs and lease keep-alives per second per me
 and the agent-to-agent gRPC bytes (``ss``).
 
     .venv/bin/python scripts/bench_scale_inproc.py --members 256 --tasks 2000
-        [--slots 1] [--idle-seconds 10] [--no-gossip] [--lease-ttl 10] [--json]
+        [--slots 1] [--idle-seconds 10] [--no-gossip] [--lease-ttl 10] [--flush-rate N]
+        [--json]
 
 Everything it starts (etcd, the members, the temporary directory) is stopped and removed
 before it returns, also on failure and on Ctrl-C. It asserts nothing about speed.
@@ -419,8 +420,14 @@ class Members:
 async def submit(recipe: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
     """``hypermesh submit RECIPE --wait`` as the CLI runs it: its exit status and stderr.
     Killed if it runs past ``timeout`` or this run is cancelled."""
+    return await hypermesh(["submit", str(recipe), "--wait"], env, timeout)
+
+
+async def hypermesh(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """The CLI with ``args``: its exit status and stderr. Killed if it runs past
+    ``timeout`` or this run is cancelled."""
     proc = await asyncio.create_subprocess_exec(
-        *hypermesh_command(), "submit", str(recipe), "--wait", env=env,
+        *hypermesh_command(), *args, env=env,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE)
     try:
@@ -430,7 +437,7 @@ async def submit(recipe: Path, env: dict[str, str], timeout: float) -> tuple[int
             proc.kill()
         await proc.wait()
         if isinstance(exc, TimeoutError):
-            raise BenchError(f"submit --wait ran past {timeout:g}s") from exc
+            raise BenchError(f"{args[0]} ran past {timeout:g}s") from exc
         raise
     assert proc.returncode is not None
     return proc.returncode, stderr.decode(errors="replace")
@@ -461,6 +468,11 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
               f"{result.start_s:.1f}s; settling {args.settle:g}s", file=out, flush=True)
         await asyncio.sleep(args.settle)
         members.check_alive()
+        if args.flush_rate is not None:
+            code, stderr = await hypermesh(["settings", f"flush-rate={args.flush_rate}"],
+                                           env, 60)
+            if code:
+                raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
         recipe.write_text(recipe_text(args.tasks, block=args.block))
         COUNTERS.attempts.clear()
@@ -652,6 +664,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="copy the members' log here before the temporary directory goes")
     p.add_argument("--watch", choices=("all", "own"), default="all",
                    help="the members' --watch: own = blocks from the leader's offers [all]")
+    p.add_argument("--flush-rate", type=int, default=None,
+                   help="the mesh setting flush-rate, set before the submit [its default]")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
     for name in ("members", "tasks", "slots", "batch"):
