@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import importlib
 import logging
@@ -80,6 +81,7 @@ from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, keepalive_inter
 from hypermesh.state.folding import FOLD_AFTER_TASKS
 from hypermesh.state.keyspace import Keyspace, TaskRef
 from hypermesh.state.records import NodeRecord, dumps
+from hypermesh.state.settings import take_watch_seat
 from hypermesh.state.view import MeshView, load_view
 
 log = logging.getLogger("hypermesh.agent")
@@ -179,6 +181,7 @@ class Agent:
         self.view_whole = asyncio.Event()
         if cfg.watch == "all":
             self.view_whole.set()
+        self.watch_seat: int | None = None  # ``--watch auto``: the seat it took, if any
         self._mirror: asyncio.Task[None] | None = None
         self._widening = False
         self._snapshot: tuple[float, MeshView] | None = None  # read_view's, when partial
@@ -598,7 +601,26 @@ class Agent:
     async def _register(self) -> None:
         self.lease = await self.etcd.grant(self.cfg.lease_ttl)
         self.last_renewal = time.monotonic()
+        if self.cfg.watch == "auto" or self.watch_seat is not None:
+            await self._take_watch_seat()
         await self.etcd.put(self.ks.node(self.cfg.name), dumps(self.record().to_json()), self.lease)
+
+    async def _take_watch_seat(self) -> None:
+        """``--watch auto``: watch the whole namespace if a seat is free for it (the mesh
+        setting ``watch-all``), else only this node's part. Decided once, at the first
+        registration (the mirror starts after it); a node that rejoins with a new lease
+        takes a seat again, and keeps watching everything when none is left."""
+        seat = await take_watch_seat(self.etcd, self.ks, self.cfg.name, self.lease)
+        if self.cfg.watch == "auto":
+            self.cfg = dataclasses.replace(self.cfg, watch="own" if seat is None else "all")
+            if seat is None:
+                self.decide("watches its own part: every watch-all seat is taken")
+            else:
+                self.view_whole.set()
+                self.decide(f"watches the whole namespace (watch-all seat {seat})")
+        elif seat is None:
+            self.decide("rejoined without a watch-all seat; still watches the whole namespace")
+        self.watch_seat = seat
 
     @property
     def lease_is_lost(self) -> bool:

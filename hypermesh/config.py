@@ -192,13 +192,16 @@ class AgentConfig:
     preferred pools when their nodes are slow to claim; shorter: less idle time when a
     preferred node looks free but cannot take the task. 0: never wait."""
 
-    watch: str = "all"
+    watch: str = "auto"
     """What of the namespace the agent watches (``--watch``). ``all``: everything, and it
     chooses blocks of batched experiments itself. ``own``: everything but the blocks
     and the other nodes' offers; it claims the blocks the leader offers it
     (``offer/<name>``) and reads a block from etcd once it holds it, so a task costs
     it nothing unless it runs it. It watches everything once it leads. Its dashboard
-    reads what it shows from etcd on request."""
+    reads what it shows from etcd on request. ``auto``: ``all`` while the mesh has a
+    seat free for a node that watches everything (the mesh setting ``watch-all``,
+    ``hypermesh.state.settings.take_watch_seat``), ``own`` once they are all taken; decided when
+    the agent registers."""
 
     peer_sharing: bool = True
     """Whether this node's data set mounts ask the agent for chunks that peers hold
@@ -250,8 +253,8 @@ class AgentConfig:
         _check_range("--lease-ttl", self.lease_ttl, 2, 3600)
         _check_range("--grace", self.kill_grace, 0, 3600)
         _check_range("claim_batch", self.claim_batch, 1, 100)
-        if self.watch not in ("all", "own"):
-            raise UsageError(f"watch: expected all or own, got {self.watch!r}")
+        if self.watch not in ("all", "own", "auto"):
+            raise UsageError(f"watch: expected all, own or auto, got {self.watch!r}")
         _check_range("--leader-ttl", self.leader_ttl, 2, 60)
         _check_range("--spot-poll", self.spot_poll, 0.1, 60)
         _check_range("log_upload_s", self.log_upload_s, 0.5, 3600)

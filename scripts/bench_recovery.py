@@ -227,7 +227,7 @@ def main() -> int:
                              "(the method before 2026-11-26), not once the mesh settled")
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS on every gRPC connection (a mesh CA made for the run)")
-    parser.add_argument("--watch", choices=("all", "own"), default="all",
+    parser.add_argument("--watch", choices=("all", "own", "auto"), default="all",
                         help="the agents' --watch (own: blocks from the leader's offers)")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()

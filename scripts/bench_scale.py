@@ -726,8 +726,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the agents' timing preset [lan]")
     m.add_argument("--etcd-members", type=int, default=1,
                    help="etcd members: 1, or a cluster of 3 or 5 on loopback [1]")
-    m.add_argument("--watch", choices=("all", "own"), default="all",
-                   help="the agents' --watch: own = blocks from the leader's offers [all]")
+    m.add_argument("--watch", choices=("all", "own", "auto"), default="all",
+                   help="the agents' --watch: own = blocks from the leader's offers; "
+                   "auto = own past the mesh's watch-all seats [all]")
     m.add_argument("--block", type=int, default=None,
                    help="the recipe's batch (tasks per block) [automatic]")
     m.add_argument("--flush-rate", type=int, default=None,

@@ -662,8 +662,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the members' log level (to a file in the temporary directory) [INFO]")
     p.add_argument("--keep-log", type=Path, default=None, metavar="FILE",
                    help="copy the members' log here before the temporary directory goes")
-    p.add_argument("--watch", choices=("all", "own"), default="all",
-                   help="the members' --watch: own = blocks from the leader's offers [all]")
+    p.add_argument("--watch", choices=("all", "own", "auto"), default="all",
+                   help="the members' --watch: own = blocks from the leader's offers; "
+                   "auto = own past the mesh's watch-all seats [all]")
     p.add_argument("--flush-rate", type=int, default=None,
                    help="the mesh setting flush-rate, set before the submit [its default]")
     p.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -157,7 +157,7 @@ def main() -> int:
         "--batch", type=int, default=None,
         help="tasks per block (1: per-task keys; default: chosen by the leader)",
     )
-    parser.add_argument("--watch", choices=("all", "own"), default="all",
+    parser.add_argument("--watch", choices=("all", "own", "auto"), default="all",
                         help="the agents' --watch (own: blocks from the leader's offers)")
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)

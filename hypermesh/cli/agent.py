@@ -157,11 +157,12 @@ def _parse_labels(labels: tuple[str, ...]) -> dict[str, str]:
 )
 @click.option(
     "--watch",
-    type=click.Choice(["all", "own"]),
-    default="all",
+    type=click.Choice(["auto", "all", "own"]),
+    default="auto",
     show_default=True,
     help="all: watch the whole namespace. own: skip the blocks of batched experiments "
-    "and claim those the leader offers this node (for large meshes).",
+    "and claim those the leader offers this node (for large meshes). auto: all while "
+    "one of the mesh's watch-all seats is free (hypermesh settings), else own.",
 )
 @click.option(
     "--task-env",

@@ -30,6 +30,9 @@ async def settings(mesh: Mesh, assignments: tuple[str, ...], as_json: bool) -> N
                           all together (default 200): each node writes its
                           results at most every NODES/flush-rate seconds
                           (0.05 s to 10 s)
+      watch-all           agents started with --watch auto that watch the
+                          whole namespace; the others watch their own part
+                          (default 16)
     """
     async with mesh.connect() as etcd:
         if assignments:
@@ -43,3 +46,4 @@ async def settings(mesh: Mesh, assignments: tuple[str, ...], as_json: bool) -> N
     keep = format_duration(current.retention) if current.retention else "0 (kept)"
     click.echo(f"retention           {keep}")
     click.echo(f"flush-rate          {current.flush_rate}")
+    click.echo(f"watch-all           {current.watch_all}")

@@ -51,6 +51,9 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``wfusage/<wid>``: node-seconds used by a workflow's tasks, per pool; by the leader.
 - ``settings``: mesh-wide settings (``hypermesh/state/settings.py``: the task cap of a
   workflow, how long finished workflows are kept); by ``hypermesh settings``.
+- ``watchall/<seat>``: one of the seats (``watch-all`` setting) of the nodes started with
+  ``--watch auto`` that watch the whole namespace; on the holder's lease; by the holder
+  (``hypermesh.state.settings.take_watch_seat``).
 - ``compacted``: the revision the leader last compacted etcd to, when and by whom; by
   the leader's housekeeping, after each compaction (``agent/leader/housekeeping.py``).
 
@@ -162,6 +165,13 @@ class Keyspace:
     @property
     def compacted(self) -> str:
         return f"{self.root}compacted"
+
+    def watch_seat(self, seat: int) -> str:
+        return f"{self.root}watchall/{seat:05d}"
+
+    @property
+    def watch_seats(self) -> str:
+        return f"{self.root}watchall/"
 
     # -- workflows
     def workflow(self, wid: str) -> str:

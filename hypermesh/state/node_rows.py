@@ -76,6 +76,8 @@ def node_rows(
                 # its old life's record.
                 "gossip_address": g.get("address"),
                 "metrics": n.metrics or None,
+                # What of the namespace it watches (``agent start --watch``, auto resolved).
+                "watch": "own" if n.offers else "all",
             }
         )
     if show_all:
@@ -90,7 +92,7 @@ def node_rows(
                         "load": g["meta"], "cached_bytes": (g["meta"] or {}).get("cached_bytes"),
                         "hit_rates": hit_rates((g["meta"] or {}).get("reads")),
                         "seen_by": seen_by, "metrics": None,
-                        "gossip_address": g.get("address"),
+                        "gossip_address": g.get("address"), "watch": None,
                     }
                 )
     return rows

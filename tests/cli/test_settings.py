@@ -14,6 +14,7 @@ from hypermesh.state.settings import (
     DEFAULT_FLUSH_RATE,
     DEFAULT_MAX_WORKFLOW_TASKS,
     DEFAULT_RETENTION_S,
+    DEFAULT_WATCH_ALL,
     MeshSettings,
 )
 from tests.conftest import Mesh
@@ -24,16 +25,19 @@ def test_settings_start_at_the_defaults_and_change_one_at_a_time(mesh: Mesh) -> 
         "max_workflow_tasks": DEFAULT_MAX_WORKFLOW_TASKS,
         "retention": DEFAULT_RETENTION_S,
         "flush_rate": DEFAULT_FLUSH_RATE,
+        "watch_all": DEFAULT_WATCH_ALL,
     }
     mesh.hm("settings", "max-workflow-tasks=5000", check=True)
     shown = mesh.hm_json("settings", "retention=2h")  # the cap set before stays
     assert shown == {"max_workflow_tasks": 5000, "retention": 7200.0,
-                     "flush_rate": DEFAULT_FLUSH_RATE}
+                     "flush_rate": DEFAULT_FLUSH_RATE, "watch_all": DEFAULT_WATCH_ALL}
     assert mesh.hm_json("settings", "flush-rate=1_000") == shown | {"flush_rate": 1000}
     assert mesh.hm_json("settings") == shown | {"flush_rate": 1000}
     table = mesh.hm("settings", check=True).stdout
     assert "max-workflow-tasks  5000" in table and "retention           2h" in table
     assert "flush-rate          1000" in table
+    assert mesh.hm_json("settings", "watch-all=0")["watch_all"] == 0  # every auto node own
+    assert "watch-all           0" in mesh.hm("settings", check=True).stdout
 
 
 @pytest.mark.parametrize(
@@ -44,7 +48,8 @@ def test_settings_start_at_the_defaults_and_change_one_at_a_time(mesh: Mesh) -> 
         ("retention=-3d", "retention"),
         ("flush-rate=0", "flush-rate must be an integer from 1"),
         ("flush-rate=1.5", "flush-rate"),
-        ("colour=blue", "NAME one of max-workflow-tasks, retention, flush-rate"),
+        ("watch-all=-1", "watch-all must be an integer from 0"),
+        ("colour=blue", "NAME one of max-workflow-tasks, retention, flush-rate, watch-all"),
         ("retention", "expected NAME=VALUE"),
     ],
 )
