@@ -97,8 +97,11 @@ def choose_block(
     or claim. Oldest workflow first, experiments in dependency order, blocks in order;
     among the first few (one per live node), a random one, so that agents racing for
     the same experiment rarely collide. Experiments in ``held_back`` (workflow,
-    experiment) wait for their image (``agent/tasks/images.py``)."""
+    experiment) wait for their image (``agent/tasks/images.py``). A block the leader
+    offers another node (``offer/``, in a mesh with ``--watch own`` nodes) is taken only
+    when the experiment has no other: the node it is offered to would find it gone."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
+    offered = _offered_elsewhere(view, node.name)
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
         if view.workflow_state(wf.id) in TERMINAL:
             continue
@@ -110,17 +113,28 @@ def choose_block(
             if not allowed_on(wf.recipe.experiment(name), node):
                 continue
             candidates: list[BlockRef] = []
+            fallback: BlockRef | None = None
             for first in view.block_firsts(wf.id, name):
                 bref = BlockRef(wf.id, name, first)
                 if bref not in view.block_claims and bref not in held and (
                     view.block_unfinished(bref) > 0
                 ):
+                    if bref in offered:
+                        fallback = fallback or bref
+                        continue
                     candidates.append(bref)
                     if len(candidates) >= spread:
                         break
             if candidates:
                 return rng.choice(candidates) if rng is not None else candidates[0]
+            if fallback is not None:
+                return fallback
     return None
+
+
+def _offered_elsewhere(view: MeshView, node: str) -> set[BlockRef]:
+    """The blocks the leader offers nodes other than ``node``."""
+    return {b for name, (blocks, _) in view.offers.items() if name != node for b in blocks}
 
 
 def _block_state(view: MeshView, bref: BlockRef) -> tuple[

@@ -32,7 +32,7 @@ async def settings(mesh: Mesh, assignments: tuple[str, ...], as_json: bool) -> N
                           (0.05 s to 10 s)
       watch-all           agents started with --watch auto that watch the
                           whole namespace; the others watch their own part
-                          (default 16)
+                          (default 4)
     """
     async with mesh.connect() as etcd:
         if assignments:

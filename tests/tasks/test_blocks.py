@@ -174,13 +174,18 @@ def test_the_view_reads_batches_in_any_order_by_revision() -> None:
         assert view.counted_failures(ref) == 0
 
 
-def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
+def four_blocks() -> tuple[Feed, list[BlockRef], NodeRecord]:
+    """A running workflow of four blocks of two tasks, and node n1 (two slots)."""
     feed = Feed()
     feed.workflow("w", TRIVIAL, state="running")
     feed.node("n1", slots=2)
     blocks = [feed_block(feed, "w", first, 2) for first in (0, 2, 4, 6)]
     feed.put(feed.ks.expanded("w", "e"), {"count": 8})
-    me = feed.view.nodes["n1"]
+    return feed, blocks, feed.view.nodes["n1"]
+
+
+def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
+    feed, blocks, me = four_blocks()
     assert choose_block(feed.view, me, set()) == blocks[0]
     feed.put(feed.ks.block_claim(blocks[0]), {"node": "n2", "lease": 1})
     batch(feed, blocks[1], "x", Batch("n2", (), (ResultEntry(2, "succeeded", 1, 0, 1.0),
@@ -190,6 +195,26 @@ def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
     feed.put(feed.ks.experiment_control("w", "e"), {"cancelled": True})
     assert choose_block(feed.view, me, set()) is None
     assert choose_block(MeshView(feed.ks), NodeRecord("n1", "a:1"), set()) is None
+
+
+def test_choose_block_leaves_blocks_offered_to_other_nodes_while_it_has_others() -> None:
+    """In a mesh with ``--watch own`` nodes, a node that chooses blocks itself takes the
+    ones the leader offers nobody else, and an offered one only when nothing else is
+    left: the node it was offered to would have its claim refused."""
+    feed, blocks, me = four_blocks()
+
+    def offer(node: str, *offered: BlockRef) -> None:
+        feed.put(feed.ks.offer(node), {"blocks": [[b.workflow, b.experiment, b.first]
+                                                  for b in offered]})
+
+    offer("n2", blocks[0], blocks[1])
+    offer("n1", blocks[2])  # its own offer does not hold it back
+    assert choose_block(feed.view, me, set()) == blocks[2]
+    assert choose_block(feed.view, me, set(), random.Random(3)) in {blocks[2], blocks[3]}
+    offer("n3", blocks[2], blocks[3])
+    assert choose_block(feed.view, me, set()) == blocks[0]  # all offered: the first
+    feed.delete(feed.ks.offer("n2"))
+    assert choose_block(feed.view, me, set()) == blocks[0]
 
 
 def test_a_capped_recipe_keeps_per_task_keys() -> None:
