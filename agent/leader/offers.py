@@ -18,9 +18,10 @@ nodes or workflows (``MeshView.offer_epoch``). Between them a round looks only a
 blocks whose keys changed since the last one (``MeshView.offer_blocks``: claims taken or
 released, batches, reopened tasks): a block offered to a node that is no longer
 claimable leaves that node's offer, a block that became claimable joins the blocks
-waiting for a node, and nodes short of offers take waiting blocks. A round with nothing
-changed costs nothing, and a busy one costs in proportion to what changed, not to the
-size of the mesh.
+waiting for a node, and nodes short of offers take waiting blocks; once none waits, a
+node the round left with nothing takes the second block of a node offered two (as a
+whole plan shares). A round with nothing changed costs nothing, and a busy one costs
+in proportion to what changed, not to the size of the mesh.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ passed as finished may have been reopened by ``hypermesh retry``), seconds."""
 
 TXN_OPS = 64
 """Offers written per transaction."""
+
+SHARE_TRIES = 8
+"""Nodes offered two blocks that a round looks at for one to share with a node it left
+with nothing."""
 
 
 def claimable(view: MeshView, bref: BlockRef) -> bool:
@@ -178,6 +183,7 @@ class Offers:
         self._epoch = -1  # the view's offer_epoch at the last whole plan
         self._offered_to: dict[BlockRef, str] = {}
         self._short: dict[str, None] = {}  # nodes offered fewer than OFFER_AHEAD blocks
+        self._full: dict[str, None] = {}  # nodes offered OFFER_AHEAD blocks: donors to share
         self._waiting: dict[BlockRef, None] = {}  # claimable, offered to no one, in order
         self._takers_epoch = -1
         self._any_taker = False
@@ -214,6 +220,7 @@ class Offers:
         wanted = plan_offers(view, self._cursors, current=self._written)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
+        self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
         self._waiting = dict.fromkeys(b for b in _candidates(view, dict(self._cursors))
                                       if b not in self._offered_to)
         return wanted
@@ -236,14 +243,46 @@ class Offers:
                 if bref in blocks:
                     blocks.remove(bref)
                 self._short[node] = None
+                self._full.pop(node, None)
+        filled = False  # a node was filled to OFFER_AHEAD: a donor for any node with nothing
         if self._waiting:
             for node in list(self._short):
                 blocks = changed.get(node, list(self._written.get(node) or ()))
                 self._fill(view, node, blocks)
                 changed[node] = blocks
+                filled = filled or len(blocks) >= OFFER_AHEAD
                 if not self._waiting:
                     break
+        if not self._waiting:
+            self._share(view, changed, filled)
         return {name: tuple(blocks) for name, blocks in changed.items()}
+
+    def _share(self, view: MeshView, changed: dict[str, list[BlockRef]], filled: bool) -> None:
+        """What a whole plan does (``_share``), between whole plans: a node left with
+        nothing, while no block waits, takes the last block of a node offered
+        ``OFFER_AHEAD``. Only the nodes that emptied this round are looked at (every
+        node short of blocks when this round ``filled`` one to ``OFFER_AHEAD``, which
+        the fill already went through), and ``SHARE_TRIES`` donors each: a large mesh
+        with little work pays nothing for the nodes that had nothing before."""
+        empty = ([n for n in self._short if not changed.get(n, self._written.get(n))]
+                 if filled else [n for n, blocks in changed.items() if not blocks])
+        for node in empty:
+            rec = view.nodes.get(node)
+            if rec is None or not rec.offers or rec.state != "alive":
+                continue
+            for donor in list(self._full)[:SHARE_TRIES]:
+                given = changed.get(donor, list(self._written.get(donor) or ()))
+                if len(given) < OFFER_AHEAD:  # stale: it lost a block meanwhile
+                    self._full.pop(donor, None)
+                    continue
+                if donor == node or not _open_to(view, given[-1], rec):
+                    continue
+                bref = given.pop()
+                changed[donor], changed[node] = given, [bref]
+                self._offered_to[bref] = node
+                self._full.pop(donor, None)
+                self._short[donor] = None
+                break
 
     def _fill(self, view: MeshView, node: str, blocks: list[BlockRef]) -> None:
         """Give ``node`` waiting blocks until it has ``OFFER_AHEAD``; forget waiting
@@ -268,6 +307,7 @@ class Offers:
         blocks += taken
         if len(blocks) >= OFFER_AHEAD:
             self._short.pop(node, None)
+            self._full[node] = None
 
     def changes(self, now: float) -> list[tuple[str, tuple[BlockRef, ...] | None]]:
         """Plan, and the offers to write: (node, its blocks), or (node, None) to delete a

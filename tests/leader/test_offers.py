@@ -98,6 +98,18 @@ def test_a_node_that_joins_once_every_block_is_offered_takes_a_busy_nodes_second
     assert offers.changes(0.3) == []  # one block each is as far as sharing goes
 
 
+def test_a_node_whose_offer_empties_between_whole_plans_takes_a_busy_nodes_second() -> None:
+    # At the end of the work: n2 claims its only block while n1 still holds two it has
+    # not claimed; n2 takes n1's second in the same round, not at the next whole plan.
+    feed, b = offered_feed({"n1": True, "n2": True}, 3)
+    offers = offers_of(feed)
+    assert offers.changes(0.0) == [("n1", (b[0], b[1])), ("n2", (b[2],))]
+    claim(feed, b[2], "n2")
+    assert offers.changes(0.1) == [("n2", (b[1],)), ("n1", (b[0],))]
+    claim(feed, b[1], "n2")
+    assert offers.changes(0.2) == [("n2", ())]  # one block each is as far as sharing goes
+
+
 def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:
     feed, _ = offered_feed({"n1": True}, 4)
     offers = offers_of(feed)
@@ -165,3 +177,5 @@ def check(feed: Feed, written: dict[str, tuple[BlockRef, ...]]) -> None:
         spare = [BlockRef("w", "e", first) for first in view.block_firsts("w", "e")]
         spare = [x for x in spare if claimable(view, x) and x not in offered]
         assert not spare, (written, spare)
+    counts = {len(written.get(n, ())) for n in takers}
+    assert not {0, OFFER_AHEAD} <= counts, written  # nothing for one, two for another
