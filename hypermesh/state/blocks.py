@@ -38,16 +38,26 @@ TASKS_PER_SLOT = 4
 """An automatic block is about 1/TASKS_PER_SLOT of the tasks per slot of the mesh, so
 that a block is a small share of the work and the last blocks still spread."""
 
+LARGE_MESH_SLOTS = 64
+"""From this many slots on, an automatic block holds at least 2 tasks once there are 2
+tasks per slot: per-task keys reach every member's watch, which on a mesh this size
+costs more than the finer spread they give, where a block's keys reach only its holder
+and the leader (``agent start --watch own``)."""
+
 
 def block_size(exp: Experiment, count: int, mesh_slots: int) -> int:
     """Tasks per block for an experiment of ``count`` tasks on a mesh of ``mesh_slots``
     slots: the recipe's ``batch`` if set, else about ``count / (4 * slots)``, at most
-    ``MAX_BLOCK``. 1 means per-task keys."""
+    ``MAX_BLOCK``, and at least 2 on a mesh of ``LARGE_MESH_SLOTS`` with 2 tasks per
+    slot. 1 means per-task keys."""
     if why_not_batched(exp) is not None:
         return 1
     if exp.batch is not None:
         return exp.batch
-    return max(1, min(MAX_BLOCK, count // (TASKS_PER_SLOT * max(1, mesh_slots))))
+    size = count // (TASKS_PER_SLOT * max(1, mesh_slots))
+    if size < 2 and mesh_slots >= LARGE_MESH_SLOTS and count >= 2 * mesh_slots:
+        size = 2
+    return max(1, min(MAX_BLOCK, size))
 
 
 # ---------------------------------------------------------------- batch values

@@ -53,6 +53,11 @@ def test_what_keeps_per_task_keys(extra: str, why: str | None) -> None:
         (None, 10**6, 16, 256),  # at most MAX_BLOCK
         (None, 5000, 0, 256),  # no node yet counts as one slot
         ("batch: 7", 10, 16, 7),  # the recipe's choice
+        (None, 2000, 256, 2),  # a large mesh: blocks of 2 rather than per-task keys
+        (None, 511, 256, 1),  # ... once every slot can have a block of 2
+        (None, 2000, 63, 7),  # a smaller mesh: the usual quarter
+        (None, 200, 63, 1),
+        ("batch: 1", 2000, 256, 1),  # the recipe's choice still
     ],
 )
 def test_block_size(batch: str | None, count: int, slots: int, size: int) -> None:
