@@ -200,8 +200,8 @@ class AgentConfig:
     it nothing unless it runs it. It watches everything once it leads. Its dashboard
     reads what it shows from etcd on request. ``auto``: ``all`` while the mesh has a
     seat free for a node that watches everything (the mesh setting ``watch-all``,
-    ``hypermesh.state.settings.take_watch_seat``), ``own`` once they are all taken; decided when
-    the agent registers."""
+    ``hypermesh.state.settings.take_watch_seat``), ``own`` once they are all taken;
+    decided when the agent registers."""
 
     peer_sharing: bool = True
     """Whether this node's data set mounts ask the agent for chunks that peers hold

@@ -26,6 +26,7 @@ in proportion to what changed, not to the size of the mesh.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
@@ -270,7 +271,7 @@ class Offers:
             rec = view.nodes.get(node)
             if rec is None or not rec.offers or rec.state != "alive":
                 continue
-            for donor in list(self._full)[:SHARE_TRIES]:
+            for donor in list(itertools.islice(self._full, SHARE_TRIES)):
                 given = changed.get(donor, list(self._written.get(donor) or ()))
                 if len(given) < OFFER_AHEAD:  # stale: it lost a block meanwhile
                     self._full.pop(donor, None)

@@ -26,8 +26,6 @@ DEFAULT_WATCH_ALL = 4
 MAX_WORKFLOW_TASKS_LIMIT = 10**9  # what the setting itself may be raised to
 MAX_FLUSH_RATE = 1_000_000
 MAX_WATCH_ALL = 10_000
-NAMES = "max-workflow-tasks, retention, flush-rate, watch-all"
-COUNTS = ("max_workflow_tasks", "flush_rate", "watch_all")
 
 
 @dataclass(frozen=True)
@@ -73,16 +71,16 @@ class MeshSettings:
         """These settings with ``NAME=VALUE`` assignments applied (CLI spelling, e.g.
         ``max-workflow-tasks=5000``, ``retention=3d``, ``flush-rate=500``, ``watch-all=8``;
         ``retention=0`` keeps forever)."""
+        kinds = {f.name: f.type for f in dataclasses.fields(self)}  # "int" or "float"
         changes: dict[str, Any] = {}
         for assignment in assignments:
             name, sep, value = assignment.partition("=")
             field = name.strip().replace("-", "_")
-            if not sep or field not in {f.name for f in dataclasses.fields(self)}:
-                raise UsageError(
-                    f"{assignment!r}: expected NAME=VALUE with NAME one of {NAMES}"
-                )
+            if not sep or field not in kinds:
+                names = ", ".join(k.replace("_", "-") for k in kinds)
+                raise UsageError(f"{assignment!r}: expected NAME=VALUE with NAME one of {names}")
             try:
-                if field in COUNTS:
+                if kinds[field] == "int":
                     changes[field] = int(value.strip().replace("_", ""))
                 else:
                     changes[field] = parse_duration(value.strip())
