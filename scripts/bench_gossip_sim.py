@@ -5,6 +5,7 @@
                         [--loss-nodes 1000] [--loss-periods 1000] [--json]
     bench_gossip_sim.py --cost [--cost-sizes 16,64,256,1024] [--cost-periods 240]
                         [--cost-rows 64,10000000] [--json]
+    bench_gossip_sim.py --busy [--busy-sizes 32,256] [--busy-seconds 30] [--json]
 
 Everything runs in ``agent/gossip/simnet.py`` on a virtual clock: one-way latency
 uniform in 0.5-2 ms, every member ticked exactly when it asks. Times are in
@@ -40,18 +41,28 @@ settle (median and largest over members; ping, ack and push-pull traffic), and t
 largest push-pull message; then seconds until every member knows a silent crash
 dead, and, for a new member joining through one seed, seconds until it holds the
 whole table and until every member knows it alive.
+
+busy (``--busy``): every member a busy one-slot agent, its task counts (``running``,
+``free_slots``) published every 2 s as the agent does (a random 0 or 1, so a member
+that missed a version often sees the same counts again), after one loud change of
+every member's meta at once; per member per second over ``--busy-seconds`` after
+30 s: messages, of them gossip rounds, rows per message, bytes; and how many versions
+behind the counts are that 20 members hold of every other.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import random
 import statistics
 import sys
 import time
 from typing import Any
 
 from hypermesh.agent.gossip.config import GossipConfig
+from hypermesh.agent.gossip.duty import LOAD_MIN_INTERVAL_S as LOAD_PERIOD_S
 from hypermesh.agent.gossip.simnet import SimNet
 from hypermesh.agent.gossip.suspicion import (
     expected_confirmations,
@@ -218,6 +229,82 @@ def cost(n: int, rows: int, periods: int, seed: int = 1) -> dict[str, Any]:
     return out
 
 
+def busy(n: int, seconds: float, seed: int = 1, warm: float = 30.0) -> dict[str, Any]:
+    """A busy mesh of ``n`` one-slot members (see ``--busy``)."""
+    wall = time.perf_counter()
+    net = SimNet(n, GossipConfig.lan(), seed=seed, measure_bytes=True, meta=META)
+    net.run_periods(3)
+    rng = random.Random(seed)
+    versions = dict.fromkeys(net.names, 2)  # the roster meta, then the loud change
+    start = net.now
+
+    def publish(name: str) -> None:
+        running = rng.randint(0, 1)
+        versions[name] += 1
+        net.set_meta(name, META | {"running": running, "free_slots": 1 - running})
+
+    for name in net.names:
+        # The first publication adds a key the roster's meta lacks: loud news from
+        # every member at once, as when a whole mesh starts working.
+        net.set_meta(name, META | {"state": "active"})
+        phase = rng.random() * LOAD_PERIOD_S
+        k = 1
+        while phase + k * LOAD_PERIOD_S < warm + seconds:
+            net.at(start + phase + k * LOAD_PERIOD_S, functools.partial(publish, name))
+            k += 1
+    net.run_until(start + warm)
+    sent, sent_bytes = sum(net.stats.sent), sum(net.stats.sent_bytes)
+    rounds, rows = net.stats.by_kind.get("gossip", 0), [0]
+    send = net._send
+
+    def counting(src: int, outs: list[Any]) -> None:
+        rows[0] += sum(len(o.message.updates) for o in outs)
+        send(src, outs)
+
+    net._send = counting  # type: ignore[method-assign]
+    net.run_until(start + warm + seconds)
+    behind = []
+    for node in net.nodes[:20]:
+        for name in net.names:
+            seen = node.member(name)
+            if seen is not None and name != node.name:
+                behind.append(versions[name] - seen.meta_version)
+    messages = sum(net.stats.sent) - sent
+    member_s = n * seconds
+    return {
+        "n": n,
+        "messages_per_s": messages / member_s,
+        "gossip_rounds_per_s": (net.stats.by_kind.get("gossip", 0) - rounds) / member_s,
+        "rows_per_message": rows[0] / max(1, messages),
+        "bytes_per_s": (sum(net.stats.sent_bytes) - sent_bytes) / member_s,
+        "versions_behind_median": statistics.median(behind),
+        "versions_behind_p90": statistics.quantiles(behind, n=10)[-1],
+        "wall_s": time.perf_counter() - wall,
+    }
+
+
+def busy_report(opts: argparse.Namespace) -> int:
+    results = []
+    for n in [int(s) for s in opts.busy_sizes.split(",") if s]:
+        row = busy(n, opts.busy_seconds)
+        results.append(row)
+        print(f"# {row}", file=sys.stderr, flush=True)
+    if opts.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"busy mesh, lan preset, simulated: every member's counts change every "
+          f"{LOAD_PERIOD_S:g} s; {opts.busy_seconds:g} s measured after 30")
+    print()
+    print("| members | messages/member/s | of them gossip rounds | rows/message | "
+          "B/member/s | versions behind (median, p90) |")
+    print("| ---: " * 6 + "|")
+    for r in results:
+        print(f"| {r['n']} | {r['messages_per_s']:.2f} | {r['gossip_rounds_per_s']:.2f} | "
+              f"{r['rows_per_message']:.1f} | {r['bytes_per_s']:.0f} | "
+              f"{r['versions_behind_median']:.0f}, {r['versions_behind_p90']:.0f} |")
+    return 0
+
+
 def cost_report(opts: argparse.Namespace) -> int:
     sizes = [int(s) for s in opts.cost_sizes.split(",") if s]
     rows_list = [int(s) for s in opts.cost_rows.split(",") if s]
@@ -275,9 +362,15 @@ def main() -> int:
     parser.add_argument("--cost-sizes", default="16,64,256,1024")
     parser.add_argument("--cost-periods", type=int, default=240)
     parser.add_argument("--cost-rows", default="64,10000000", help="push_pull_rows values")
+    parser.add_argument("--busy", action="store_true",
+                        help="gossip cost per member while every member's counts change")
+    parser.add_argument("--busy-sizes", default="32,256")
+    parser.add_argument("--busy-seconds", type=float, default=30.0)
     opts = parser.parse_args()
     if opts.cost:
         return cost_report(opts)
+    if opts.busy:
+        return busy_report(opts)
     cfg = GossipConfig.lan()
     sizes = [int(s) for s in opts.sizes.split(",") if s]
     report: dict[str, Any] = {

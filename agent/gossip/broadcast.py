@@ -220,8 +220,11 @@ class BroadcastQueue:
     Holds at most one update per member. Loud updates (membership news, meta that
     peers act on) go out first and are what :attr:`loud` reports, which is what
     starts gossip rounds; quiet ones fill what room a message has left. A quiet
-    update that replaces a loud one about the same member stays loud: it carries
-    that news too. Only its owner (one ``Swim``) changes it.
+    update that replaces a loud one about the same member stays loud, since it
+    carries that news too, but only for the transmissions the loud one had left: it
+    takes over the loud one's count. A member whose load changes faster than its
+    loud news spreads would otherwise keep its updates loud for ever, and with it
+    every member gossiping. Only its owner (one ``Swim``) changes it.
     """
 
     def __init__(self) -> None:
@@ -244,9 +247,12 @@ class BroadcastQueue:
 
     def push(self, update: Update, quiet: bool = False) -> None:
         """Queue ``update``, unsent, in place of any queued update about the same member."""
-        quiet = quiet and update.member not in self._loud
+        sent = self._loud.transmits(update.member) if quiet else None
         self.drop(update.member)
-        (self._quiet if quiet else self._loud).push(update)
+        if sent is not None:  # it still carries the loud news, for what was left of it
+            self._loud.push(update, sent)
+        else:
+            (self._quiet if quiet else self._loud).push(update)
 
     def drop(self, member: str) -> None:
         """Forget the queued update about ``member``, if any."""
@@ -305,11 +311,14 @@ class _Pile:
     def __contains__(self, member: object) -> bool:
         return member in self._where
 
-    def push(self, update: Update) -> None:
-        """Queue ``update``, unsent, in place of any queued update about the same member."""
+    def push(self, update: Update, sent: int = 0) -> None:
+        """Queue ``update``, counted as sent ``sent`` times, in place of any queued
+        update about the same member."""
         self.drop(update.member)
-        self._buckets[0][update.member] = update
-        self._where[update.member] = 0
+        while len(self._buckets) <= sent:
+            self._buckets.append({})
+        self._buckets[sent][update.member] = update
+        self._where[update.member] = sent
 
     def drop(self, member: str) -> None:
         """Forget the queued update about ``member``, if any."""

@@ -88,6 +88,24 @@ def test_a_quiet_update_replacing_a_loud_one_stays_loud() -> None:
     assert q.loud and not q.is_quiet("x") and len(q) == 1
 
 
+def test_a_quiet_update_carries_the_loud_news_only_for_the_sends_it_had_left() -> None:
+    # Replacing the loud row must not restart its count: a member whose load changes
+    # more often than its loud news takes to spread would stay loud for ever.
+    q = BroadcastQueue()
+    q.push(up("x", 1))
+    for _ in range(3):
+        q.take(1, 5)
+    q.push(up("x", 1), quiet=True)
+    assert q.loud and q.transmits("x") == 3
+    q.take(1, 5)
+    q.push(up("x", 1), quiet=True)
+    assert q.loud and q.transmits("x") == 4
+    q.take(1, 5)  # the news' fifth send: done, and this row with it
+    assert "x" not in q and not q.loud
+    q.push(up("x", 1), quiet=True)
+    assert not q.loud and q.is_quiet("x") and q.transmits("x") == 0
+
+
 @pytest.mark.parametrize(
     ("old", "new", "quiet"),
     [
@@ -95,7 +113,7 @@ def test_a_quiet_update_replacing_a_loud_one_stays_loud() -> None:
         ('{"running":1}', '{"running":1,"free_gpus":0}', True),
         ('{"running":1,"slots":4}', '{"running":2,"slots":8}', False),
         ('{"running":1}', '{"running":1,"chunks":"x"}', False),
-        ('{"running":1}', '{"running":1}', False),
+        ('{"running":1}', '{"running":1}', True),  # a newer version, counts back where they were
         ('{"running":1}', None, False),
     ],
 )

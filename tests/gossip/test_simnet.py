@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 
 from hypermesh.agent.gossip.config import GossipConfig
@@ -61,6 +64,47 @@ def test_a_load_change_rides_only_on_probes_and_still_reaches_everyone(seed: int
     assert max(seen.values()) - start <= 8 * P
     assert net.stats.by_kind.get("gossip", 0) == rounds
     assert all(n.member("n7").meta == {"free_gpus": 3} for n in net.nodes)  # type: ignore[union-attr]
+
+
+def busy(net: SimNet, counts: Callable[[int], int], loud_first: bool, periods: int) -> None:
+    """Every member publishes ``counts(k)`` tasks running every 2 periods, k = 1, 2, ...,
+    staggered over a fifth of a period; ``loud_first``: after a loud change of every
+    member's meta at once (a state, as a drain of the whole mesh would be)."""
+    start = net.now
+    for i, name in enumerate(net.names):
+        if loud_first:
+            net.set_meta(name, {"state": "busy", "running": 0})
+        for k in range(1, periods // 2):
+            meta = {"state": "busy", "running": counts(k)}
+            net.at(start + (i % 20) * P / 100 + 2 * P * k,
+                   functools.partial(net.set_meta, name, meta))
+
+
+def rounds_in(net: SimNet, periods: float) -> int:
+    before = net.stats.by_kind.get("gossip", 0)
+    net.run_periods(periods)
+    return net.stats.by_kind.get("gossip", 0) - before
+
+
+@pytest.mark.parametrize("loud_first", [False, True])
+def test_a_busy_mesh_sends_no_gossip_rounds_for_its_load(loud_first: bool) -> None:
+    # Every member's task count changes every 2 periods, as on one-slot nodes that run
+    # short tasks. A one-slot node's count goes 1, 0, 1: a member that missed the 0
+    # sees the same meta at a newer version, which once counted as loud news; and a
+    # quiet change replacing a member's still-queued loud news kept it loud for ever
+    # (each change came before the news had been sent its retransmit limit). Either
+    # kept every member sending gossip rounds (about 2,900 per 10 periods here).
+    net = SimNet(48, CFG, seed=1)
+    net.run_periods(3)
+    watch = net.watch("n7")
+    busy(net, lambda k: k % 2 if not loud_first else k, loud_first, periods=100)
+    rounds_in(net, 20)  # the loud news, if any, is spread and done with
+    assert rounds_in(net, 60) == 0
+    # The counts still reach everyone, on pings and acks: each member has seen n7's
+    # counts change, lately.
+    recent = net.now - 20 * P
+    seen = {m for v, at in watch.meta.items() if v > 1 for m, t in at.items() if t >= recent}
+    assert seen == set(net.names)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
