@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -41,6 +42,7 @@ def main() -> int:
         time.sleep(opts.seconds)
         after = [p.cpu_times() for p in procs]
         rss = [p.memory_info().rss / 2**20 for p in procs]
+    shutil.rmtree(root, ignore_errors=True)  # kept when the run failed, for its logs
     cpu = [
         100 * ((b.user + b.system) - (a.user + a.system)) / opts.seconds
         for a, b in zip(before, after, strict=True)

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -230,6 +231,9 @@ def main() -> int:
     parser.add_argument("--watch", choices=("all", "own", "auto"), default="all",
                         help="the agents' --watch (own: blocks from the leader's offers)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the mesh's folder (agents' logs) after a run that finished; "
+                        "one that failed always keeps it")
     opts = parser.parse_args()
     print(f"command: {' '.join(sys.argv)}", file=sys.stderr)
     root = Path(tempfile.mkdtemp(prefix="hm-recovery-"))
@@ -237,14 +241,20 @@ def main() -> int:
     mesh = LocalMesh(root, agents=opts.agents, slots=opts.slots,
                      agent_args=["--preset", "lan", "--watch", opts.watch], tls=opts.tls)
     mesh.start()
+    finished = False
     try:
         env = dict(os.environ, **mesh.env())
         rng = random.Random(opts.seed)
         stop = opts.signal == "stop"
         rec = recovery(mesh, env, root, opts.kills, rng, stop, opts.settle) if opts.kills else []
         fail = failover(mesh, env, root, opts.failovers) if opts.failovers else []
+        finished = True
     finally:
         mesh.close()
+        if finished and not opts.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        else:  # the agents' logs, to see why a round was slow or what went wrong
+            print(f"work directory kept at {root}", file=sys.stderr)
     report: dict[str, Any] = {"tls": opts.tls}
     if rec:
         report["recovery"] = {

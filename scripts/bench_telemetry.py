@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def main() -> int:
                 body = reply.read()
             times.append(1000 * (time.perf_counter() - start))
         print(f"/metrics scrape: median {statistics.median(times):.1f} ms, {len(body)} bytes")
+    shutil.rmtree(root, ignore_errors=True)  # kept when the run failed, for its logs
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 
