@@ -353,6 +353,7 @@ class MeshResult:
     gap_p99_s: float = float("nan")
     gap_max_s: float = float("nan")
     leases_lost: int = 0  # during the run and its idle phase, summed over the agents
+    peer_bytes: float = float("nan")  # agent-to-agent streams (gossip) during the run
 
     def per_task(self) -> dict[str, float]:
         t = self.tasks
@@ -369,6 +370,7 @@ class MeshResult:
             "gap_p99_ms": 1e3 * self.gap_p99_s,
             "gap_max_ms": 1e3 * self.gap_max_s,
             "leases_lost": float(self.leases_lost),
+            "peer_bytes": self.peer_bytes / t,
         }
 
     def idle(self) -> dict[str, float | None]:
@@ -449,6 +451,8 @@ def _measure_mesh(
         done = _cli(["settings", f"flush-rate={args.flush_rate}"], env, 60)
         if done.returncode:
             raise BenchError(f"settings flush-rate exited {done.returncode}: {done.stderr}")
+    ports = {int(a.address.rpartition(":")[2]) for a in mesh.agents if a.address}
+    g0 = tcp_bytes_by_local_port(ports)
     m0, a0, e0, c0 = cluster_metrics(mesh), cpu(), cluster_cpu(mesh), children_cpu()
     start = time.perf_counter()
     try:
@@ -457,6 +461,7 @@ def _measure_mesh(
         raise BenchError(f"submit --wait ran past {SUBMIT_TIMEOUT_S:g}s") from exc
     wall = time.perf_counter() - start
     a1, e1, c1, m1 = cpu(), cluster_cpu(mesh), children_cpu(), cluster_metrics(mesh)
+    g1 = tcp_bytes_by_local_port(ports)
     if done.returncode != 0:
         raise BenchError(f"submit --wait exited {done.returncode}: {done.stderr[-2000:]}\n"
                          f"agent log tail:\n{mesh.agents[0].log_tail()}")
@@ -483,6 +488,7 @@ def _measure_mesh(
         etcd_cpu_s=e1 - e0, cli_cpu_s=c1 - c0, etcd=EtcdDelta.between(m0, m1),
         gap_p50_s=quantile(gaps, 0.5), gap_p99_s=quantile(gaps, 0.99),
         gap_max_s=max(gaps, default=float("nan")),
+        peer_bytes=tcp_delta(g0, g1) if (g0 or g1) else float("nan"),
     )
     print(f"  per task: {json.dumps({k: round(v, 4) for k, v in result.per_task().items()})}",
           file=log, flush=True)
@@ -538,6 +544,7 @@ def print_mesh(rounds: list[MeshResult], log: Any) -> dict[str, Any]:
         ("slot gap p99 (ms)", "gap_p99_ms", "{:.1f}"),
         ("slot gap max (ms)", "gap_max_ms", "{:.1f}"),
         ("leases lost (per round)", "leases_lost", "{:.0f}"),
+        ("agent-to-agent bytes (gossip)", "peer_bytes", "{:.0f}"),
     ]
     print_rows(rows, med, log)
     idle_med: dict[str, float | None] = {}
