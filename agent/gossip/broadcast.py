@@ -224,12 +224,16 @@ class BroadcastQueue:
     carries that news too, but only for the transmissions the loud one had left: it
     takes over the loud one's count. A member whose load changes faster than its
     loud news spreads would otherwise keep its updates loud for ever, and with it
-    every member gossiping. Only its owner (one ``Swim``) changes it.
+    every member gossiping. Once the loud news is sent enough, the update stays on
+    as a quiet one for the rest of its own ``max_transmits``: its counts, newer than
+    the loud news, get a full life too. Only its owner (one ``Swim``) changes it.
     """
 
     def __init__(self) -> None:
         self._loud = _Pile()
         self._quiet = _Pile()
+        # member -> the loud count a quiet update took over (its own sends: the rest)
+        self._carried: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._loud) + len(self._quiet)
@@ -251,6 +255,8 @@ class BroadcastQueue:
         self.drop(update.member)
         if sent is not None:  # it still carries the loud news, for what was left of it
             self._loud.push(update, sent)
+            if sent:
+                self._carried[update.member] = sent
         else:
             (self._quiet if quiet else self._loud).push(update)
 
@@ -258,6 +264,7 @@ class BroadcastQueue:
         """Forget the queued update about ``member``, if any."""
         self._loud.drop(member)
         self._quiet.drop(member)
+        self._carried.pop(member, None)
 
     def get(self, member: str) -> Update | None:
         """The queued update about ``member``, if any."""
@@ -283,7 +290,15 @@ class BroadcastQueue:
         its own).
         """
         chosen = self._loud.take(limit, max_transmits, skip)
-        return chosen + self._quiet.take(limit - len(chosen), max_transmits, skip)
+        quiet = self._quiet.take(limit - len(chosen), max_transmits, skip)
+        for update in chosen:
+            carried = self._carried.get(update.member)
+            if carried is not None and update.member not in self._loud:
+                # Its loud news is sent enough; its own counts were sent only since it
+                # took over: quiet from here, for the rest of their transmissions.
+                del self._carried[update.member]
+                self._quiet.push(update, max_transmits - carried)
+        return chosen + quiet
 
     def pending(self) -> list[Update]:
         """Everything queued, in the order :meth:`take` would pick it."""

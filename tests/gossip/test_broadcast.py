@@ -100,10 +100,28 @@ def test_a_quiet_update_carries_the_loud_news_only_for_the_sends_it_had_left() -
     q.take(1, 5)
     q.push(up("x", 1), quiet=True)
     assert q.loud and q.transmits("x") == 4
-    q.take(1, 5)  # the news' fifth send: done, and this row with it
-    assert "x" not in q and not q.loud
+    q.take(1, 5)  # the news' fifth send: done; these counts were sent once
+    assert not q.loud and q.is_quiet("x") and q.transmits("x") == 1
+    for _ in range(4):  # the counts' own sends 2 to 5
+        assert [u.member for u in q.take(2, 5)] == ["x"]
+    assert "x" not in q
     q.push(up("x", 1), quiet=True)
     assert not q.loud and q.is_quiet("x") and q.transmits("x") == 0
+
+
+def test_counts_that_took_over_loud_news_get_their_own_sends_as_quiet_news() -> None:
+    q = BroadcastQueue()
+    q.push(up("x", 1))
+    q.take(1, 5)
+    q.take(1, 5)
+    q.push(Update("x", "addr-x", ALIVE, 1, 7, '{"running":1}'), quiet=True)  # at 2 sends
+    for _ in range(3):
+        assert q.loud
+        q.take(1, 5)  # the news' sends 3 to 5, the counts' 1 to 3
+    assert not q.loud and q.is_quiet("x") and q.transmits("x") == 3
+    taken = [q.take(1, 5) for _ in range(3)]
+    assert [len(t) for t in taken] == [1, 1, 0]  # the counts' sends 4 and 5, then gone
+    assert taken[0][0].meta_version == 7 and "x" not in q
 
 
 @pytest.mark.parametrize(
