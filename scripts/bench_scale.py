@@ -280,6 +280,11 @@ def tcp_bytes_by_local_port(ports: set[int]) -> dict[tuple[str, str], float]:
     return result
 
 
+def agent_ports(mesh: LocalMesh) -> set[int]:
+    """The agents' gRPC ports: the server side of every agent-to-agent stream."""
+    return {int(a.address.rpartition(":")[2]) for a in mesh.agents if a.address}
+
+
 def tcp_delta(a: dict[tuple[str, str], float], b: dict[tuple[str, str], float]) -> float:
     """Bytes moved between two readings; sockets opened in between count from zero
     (sockets closed in between are lost: an undercount)."""
@@ -451,7 +456,7 @@ def _measure_mesh(
         done = _cli(["settings", f"flush-rate={args.flush_rate}"], env, 60)
         if done.returncode:
             raise BenchError(f"settings flush-rate exited {done.returncode}: {done.stderr}")
-    ports = {int(a.address.rpartition(":")[2]) for a in mesh.agents if a.address}
+    ports = agent_ports(mesh)
     g0 = tcp_bytes_by_local_port(ports)
     m0, a0, e0, c0 = cluster_metrics(mesh), cpu(), cluster_cpu(mesh), children_cpu()
     start = time.perf_counter()
@@ -504,7 +509,7 @@ def _measure_idle(args: argparse.Namespace, mesh: LocalMesh, result: MeshResult,
           file=log, flush=True)
     time.sleep(args.settle)
     pids = [a.proc.pid if a.proc else -1 for a in mesh.agents]
-    ports = {int(a.address.rpartition(":")[2]) for a in mesh.agents if a.address}
+    ports = agent_ports(mesh)
     t0 = time.perf_counter()
     m0, e0, g0 = cluster_metrics(mesh), cluster_cpu(mesh), tcp_bytes_by_local_port(ports)
     a0 = [proc_cpu(pid)[0] for pid in pids]

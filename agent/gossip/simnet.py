@@ -58,6 +58,7 @@ class SimStats:
     ``sent_bytes`` by sender, in the order of ``SimNet.names``."""
 
     messages: int = 0
+    updates: int = 0  # rows carried, summed over the messages
     delivered: int = 0
     lost: int = 0
     bytes: int = 0
@@ -278,6 +279,7 @@ class SimNet:
         rng = self._rng
         for out in outs:
             stats.messages += 1
+            stats.updates += len(out.message.updates)
             stats.by_kind[out.message.kind] += 1
             stats.sent[src] += 1
             if self.measure_bytes:

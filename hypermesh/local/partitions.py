@@ -60,12 +60,12 @@ experiments:
 """
 
 # A first stage that fills every slot, the leader's too, then a stage the new leader
-# must schedule after the cut.
+# must schedule after the cut. The first stage waits for ``go`` as HOLD_RECIPE does.
 STAGED_RECIPE = """\
 experiments:
   first:
     samples: {tasks}
-    command: ['sleep {seconds}']
+    command: ['while [ ! -e "{go}" ]; do sleep 0.05; done; exec sleep {seconds}']
   second:
     after: [first]
     samples: 3
@@ -397,13 +397,17 @@ def leader_round(mesh: NetMesh, *, tasks: int = 6, seconds: float = 3,
     reader.start()
     try:
         wait_for(lambda: seen and seen[-1][1] == old, 20, "the watcher to see the leader")
-        wid = _submit(mesh, "staged", STAGED_RECIPE.format(tasks=tasks, seconds=seconds))
+        go = mesh.root / f"go-{secrets.token_hex(3)}"
+        wid = _submit(mesh, "staged", STAGED_RECIPE.format(tasks=tasks, seconds=seconds, go=go))
 
         def old_runs_one() -> bool:
             return any(t["node"] == old and t["state"] == "running"
                        for t in mesh.hm_json("tasks", wid))
 
-        wait_for(old_runs_one, 30, f"{old} to run a task of {wid}", interval=0.3)
+        try:
+            wait_for(old_runs_one, 30, f"{old} to run a task of {wid}", interval=0.3)
+        finally:
+            go.touch()  # also when it never ran one: let the tasks end
         cut_at = result.cut_at = time.time()
         mesh.lab.cut_off(old)
         poller.start()
