@@ -15,6 +15,12 @@ and Put/Txn/DeleteRange RPCs) and lease keep-alives per second per agent, and th
 agent-to-agent gRPC bytes (gossip's streams, TCP payload with HTTP/2 framing, read
 from the kernel's ``tcp_info`` with ``ss``) sent per agent per second.
 
+``compare``: the figure the issue's bar is about, measured in one run: ``--pairs``
+pairs of ``mesh`` runs of two shapes (``--a 4x4 --b 32x1``: agents x slots), each a
+fresh mesh, no idle phase, the order alternating from pair to pair (A B, B A, ...) so
+that drift of the machine weighs on both. It prints each pair's agents' CPU per task
+and the ratio B/A, then the median of the ratios and the ratio of the medians.
+
 ``watchers``: etcd alone, as a load generator for watch fan-out. ``--watchers`` watch
 streams on one prefix (etcd3aio opens one gRPC Watch stream per watch; the streams are
 spread over ``--connections`` client channels, i.e. HTTP/2 connections), and one writer
@@ -28,6 +34,8 @@ backlog).
     .venv/bin/python scripts/bench_scale.py mesh --agents 32 --slots 1 --tasks 4000
         [--rounds 1] [--idle-seconds 20] [--settle 5] [--preset lan|local]
         [--flush-rate N] [--json]
+    .venv/bin/python scripts/bench_scale.py compare --a 4x4 --b 32x1 --pairs 5
+        [--tasks 4000] [--watch own] [--settle 3] [--json]
     .venv/bin/python scripts/bench_scale.py watchers --watchers 1000 --writes 200
         [--connections 4] [--rate 10] [--json]
 
@@ -597,6 +605,80 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- compare
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"32x1"`` -> (32 agents, 1 slot each); ValueError naming what is wrong."""
+    agents, sep, slots = text.lower().partition("x")
+    if not sep or not agents.isdigit() or not slots.isdigit():
+        raise ValueError(f"a mesh shape is AGENTSxSLOTS, like 32x1; got {text!r}")
+    if int(agents) < 1 or int(slots) < 1:
+        raise ValueError(f"a mesh shape needs at least 1 agent and 1 slot; got {text!r}")
+    return int(agents), int(slots)
+
+
+def pair_order(pair: int) -> tuple[str, str]:
+    """Which shape runs first in pair ``pair`` (0-based): A B, then B A, and so on."""
+    return ("a", "b") if pair % 2 == 0 else ("b", "a")
+
+
+def summarize_pairs(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """The medians of A's and B's figure over ``pairs`` of (A, B), the median of the
+    pairs' ratios B/A and the ratio of the medians."""
+    a = statistics.median(p[0] for p in pairs)
+    b = statistics.median(p[1] for p in pairs)
+    return {"a_median": a, "b_median": b,
+            "ratio_median": statistics.median(p[1] / p[0] for p in pairs),
+            "ratio_of_medians": b / a}
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    log = sys.stderr if args.json else sys.stdout
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
+    shapes = {"a": args.a, "b": args.b}
+    print(f"command: {command}", file=log)
+    print(f"A = {args.a[0]} x {args.a[1]}, B = {args.b[0]} x {args.b[1]}, {args.pairs} "
+          f"pair(s), {args.tasks} tasks, watch {args.watch}, etcd fsync OFF", file=log,
+          flush=True)
+    results: list[dict[str, MeshResult]] = []
+    try:
+        for pair in range(args.pairs):
+            results.append({})
+            for which in pair_order(pair):
+                agents, slots = shapes[which]
+                print(f"pair {pair + 1}, {which.upper()} ({agents} x {slots}):", file=log,
+                      flush=True)
+                run_args = argparse.Namespace(**{**vars(args), "agents": agents,
+                                                 "slots": slots, "idle_seconds": 0.0})
+                results[-1][which] = run_mesh(run_args, log)
+    except (BenchError, TimeoutError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"bench_scale: {exc}", file=sys.stderr)
+        return 1
+    cpu = [(r["a"].per_task()["agents_cpu_ms"], r["b"].per_task()["agents_cpu_ms"])
+           for r in results]
+    print(file=log)
+    print(f"{'pair':>4} {'A tasks/s':>10} {'A CPU ms':>9} {'B tasks/s':>10} {'B CPU ms':>9} "
+          f"{'B/A':>6}", file=log)
+    for i, r in enumerate(results):
+        a, b = r["a"].per_task(), r["b"].per_task()
+        print(f"{i + 1:>4} {a['tasks_per_s']:>10.1f} {a['agents_cpu_ms']:>9.3f} "
+              f"{b['tasks_per_s']:>10.1f} {b['agents_cpu_ms']:>9.3f} "
+              f"{b['agents_cpu_ms'] / a['agents_cpu_ms']:>6.2f}", file=log)
+    summary = summarize_pairs(cpu)
+    print(f"agents' CPU per task: A {summary['a_median']:.3f} ms, B {summary['b_median']:.3f}"
+          f" ms (medians); B/A: median of the pairs' ratios {summary['ratio_median']:.2f}, "
+          f"ratio of the medians {summary['ratio_of_medians']:.2f}", file=log)
+    if args.json:
+        print(json.dumps({
+            "command": command, "a": list(args.a), "b": list(args.b), "tasks": args.tasks,
+            "machine": machine(), "agents_cpu_ms": summary,
+            "pairs": [{w: asdict(r[w]) | {"per_task": r[w].per_task()} for w in "ab"}
+                      for r in results],
+        }, indent=2, default=str))
+    return 0
+
+
 # ---------------------------------------------------------------- watchers
 
 
@@ -746,6 +828,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--flush-rate", type=int, default=None,
                    help="the mesh setting flush-rate, set before the submit [its default]")
     m.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    c = sub.add_parser("compare", help="two mesh shapes in alternating pairs: CPU per task "
+                       "and its ratio")
+
+    def shape(text: str) -> tuple[int, int]:
+        try:
+            return parse_shape(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    c.add_argument("--a", type=shape, required=True, help="the baseline shape, e.g. 4x4")
+    c.add_argument("--b", type=shape, required=True, help="the shape compared, e.g. 32x1")
+    c.add_argument("--pairs", type=int, default=5, help="pairs of runs [5]")
+    c.add_argument("--tasks", type=int, default=4000, help="trivial tasks per run [4000]")
+    c.add_argument("--settle", type=float, default=3.0,
+                   help="seconds to wait before each run [3]")
+    c.add_argument("--preset", choices=("lan", "local"), default="lan")
+    c.add_argument("--etcd-members", type=int, default=1)
+    c.add_argument("--watch", choices=("all", "own", "auto"), default="own",
+                   help="the agents' --watch [own]")
+    c.add_argument("--block", type=int, default=None)
+    c.add_argument("--flush-rate", type=int, default=None)
+    c.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     w = sub.add_parser("watchers", help="etcd alone: watch fan-out to W watchers")
     w.add_argument("--watchers", type=int, required=True)
     w.add_argument("--writes", type=int, default=200, help="puts under the prefix [200]")
@@ -754,8 +858,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--rate", type=float, default=10.0, help="puts per second [10]")
     w.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     args = p.parse_args(argv)
-    checks = (("agents", 1), ("slots", 1), ("tasks", 1), ("rounds", 1)) if args.cmd == "mesh" \
-        else (("watchers", 1), ("writes", 1), ("connections", 1))
+    checks = {
+        "mesh": (("agents", 1), ("slots", 1), ("tasks", 1), ("rounds", 1)),
+        "compare": (("pairs", 1), ("tasks", 1)),
+        "watchers": (("watchers", 1), ("writes", 1), ("connections", 1)),
+    }[args.cmd]
     for name, low in checks:
         if getattr(args, name) < low:
             p.error(f"--{name} must be at least {low}, got {getattr(args, name)}")
@@ -766,7 +873,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return cmd_mesh(args) if args.cmd == "mesh" else cmd_watchers(args)
+    return {"mesh": cmd_mesh, "compare": cmd_compare, "watchers": cmd_watchers}[args.cmd](args)
 
 
 if __name__ == "__main__":
