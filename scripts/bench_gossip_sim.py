@@ -59,6 +59,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from hypermesh.agent.gossip.config import GossipConfig
@@ -229,10 +230,12 @@ def cost(n: int, rows: int, periods: int, seed: int = 1) -> dict[str, Any]:
     return out
 
 
-def busy(n: int, seconds: float, seed: int = 1, warm: float = 30.0) -> dict[str, Any]:
-    """A busy mesh of ``n`` one-slot members (see ``--busy``)."""
+def busy(n: int, seconds: float, seed: int = 1, warm: float = 30.0,
+         make_net: Callable[..., SimNet] = SimNet) -> dict[str, Any]:
+    """A busy mesh of ``n`` one-slot members (see ``--busy``), simulated by what
+    ``make_net`` makes (``scripts/bench_gossip_decode.py`` times its decoding)."""
     wall = time.perf_counter()
-    net = SimNet(n, GossipConfig.lan(), seed=seed, measure_bytes=True, meta=META)
+    net = make_net(n, GossipConfig.lan(), seed=seed, measure_bytes=True, meta=META)
     net.run_periods(3)
     rng = random.Random(seed)
     versions = dict.fromkeys(net.names, 2)  # the roster meta, then the loud change

@@ -16,7 +16,9 @@ only loud ones start gossip rounds.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from hypermesh.agent.gossip.trust import brief, check_address, check_counter, check_name
@@ -80,6 +82,20 @@ class Update:
             row.pop()
         return row
 
+    def wire_text(self) -> str:
+        """:meth:`to_wire` as compact JSON text, the meta spliced in as the canonical
+        JSON it is held as (no parsing and writing it again)."""
+        fields: list[Any] = [self.member, self.address, _STATE_CODE[self.state],
+                             self.incarnation, self.meta_version, self.meta_json, self.source]
+        while len(fields) > 4 and fields[-1] in (None, "", 0):
+            fields.pop()
+        parts = [
+            "null" if f is None else f if i == 5 else
+            encode_basestring_ascii(f) if isinstance(f, str) else str(int(f))
+            for i, f in enumerate(fields)
+        ]
+        return f"[{','.join(parts)}]"
+
     @classmethod
     def from_wire(cls, row: list[Any]) -> Update:
         """Inverse of :meth:`to_wire`; raises ValueError on a malformed row: one whose
@@ -131,6 +147,26 @@ class Message:
 
     def to_json(self) -> dict[str, Any]:
         """A compact JSON-able dict; fields at their defaults are left out."""
+        out = self._head()
+        if self.updates:
+            out["u"] = [u.to_wire() for u in self.updates]
+        if self.table:
+            out["tb"] = [u.to_wire() for u in self.table]
+        return out
+
+    def encode(self) -> bytes:
+        """The message as the transport sends it: ``to_json`` as compact JSON, written
+        without parsing each row's meta and writing it again (its canonical JSON text
+        goes in as it is held, see :meth:`Update.wire_text`)."""
+        text = json.dumps(self._head(), separators=(",", ":"))
+        rows = [f'"{key}":[{",".join(u.wire_text() for u in updates)}]'
+                for key, updates in (("u", self.updates), ("tb", self.table)) if updates]
+        if rows:
+            text = f"{text[:-1]},{','.join(rows)}}}"
+        return text.encode()
+
+    def _head(self) -> dict[str, Any]:
+        """``to_json`` but the rows."""
         out: dict[str, Any] = {"k": self.kind, "f": self.sender, "fa": self.sender_addr}
         if self.seq:
             out["q"] = self.seq
@@ -138,10 +174,6 @@ class Message:
             out["t"] = self.target
         if self.target_addr:
             out["ta"] = self.target_addr
-        if self.updates:
-            out["u"] = [u.to_wire() for u in self.updates]
-        if self.table:
-            out["tb"] = [u.to_wire() for u in self.table]
         if self.refused:
             out["r"] = 1
         if self.page:
@@ -149,7 +181,12 @@ class Message:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], bad_rows: list[str] | None = None) -> Message:
+    def from_json(
+        cls,
+        data: dict[str, Any],
+        bad_rows: list[str] | None = None,
+        stale: Callable[[Any], bool] | None = None,
+    ) -> Message:
         """Inverse of :meth:`to_json`; raises ValueError on anything malformed.
 
         The message itself must be well formed: a known kind, a sender that is a node
@@ -160,6 +197,12 @@ class Message:
         still counts (a row is one member's news, and a sender that relays a row
         another version of the agent accepts must not have its pings refused);
         without it, one malformed row fails the whole message.
+
+        ``stale``: a test of a raw update row (as :meth:`Update.to_wire` writes it) that
+        says the receiver already holds its news or newer; such rows are left out
+        unread, neither checked nor decoded (most piggybacked rows a member receives
+        are news it heard before). Table rows are always read: a push-pull reply is
+        worked out from them.
         """
         if not isinstance(data, dict):
             raise ValueError(f"a message is an object, got {type(data).__name__}")
@@ -186,7 +229,8 @@ class Message:
             seq=seq,
             target=target,
             target_addr=target_addr,
-            updates=_rows(rows["u"], bad_rows),
+            updates=_rows(rows["u"] if stale is None else [r for r in rows["u"] if not stale(r)],
+                          bad_rows),
             table=_rows(rows["tb"], bad_rows),
             refused=data.get("r", 0) == 1,
             page=page,

@@ -45,6 +45,7 @@ from hypermesh.agent.gossip.broadcast import (
     ALIVE,
     DEAD,
     LEFT,
+    STATES,
     SUSPECT,
     Message,
     Outgoing,
@@ -68,6 +69,7 @@ from hypermesh.agent.gossip.trust import (
 )
 
 _INF = math.inf
+_ALIVE_CODE = STATES.index(ALIVE)
 
 # ---------------------------------------------------------------- merging
 
@@ -137,6 +139,26 @@ def apply(s: SwimState, u: Update, now: float, gossip: bool, sender: str) -> Non
         return
     if gossip:
         s._queue.push(u, quiet)
+
+
+def stale_row(s: SwimState, row: Any) -> bool:
+    """Whether a raw update row (``[member, address, state code, incarnation, meta
+    version, ...]``, see :meth:`Update.to_wire`) is an alive row about another member
+    that this member holds at a newer incarnation, or at the same incarnation with the
+    same meta version or a newer one. :func:`apply` would change nothing for it, so it
+    need not be checked or decoded. Anything else, malformed rows included, is read."""
+    if type(row) is not list or len(row) < 4:
+        return False
+    member, code, incarnation = row[0], row[2], row[3]
+    if type(code) is not int or code != _ALIVE_CODE or type(incarnation) is not int:
+        return False
+    cur = s._table.get(member) if type(member) is str and member != s.name else None
+    if cur is None:
+        return False
+    if incarnation != cur.incarnation:
+        return incarnation < cur.incarnation
+    version = row[4] if len(row) > 4 else 0
+    return type(version) is int and version <= cur.meta_version
 
 
 def quiet_change(keys: frozenset[str], old_json: str, new_json: str | None) -> bool:

@@ -81,7 +81,7 @@ RESET_MIN_INTERVAL_S = 5.0
 
 
 def _encode(out: Outgoing) -> bytes:
-    return json.dumps(out.message.to_json(), separators=(",", ":")).encode()
+    return out.message.encode()
 
 
 def parse_lease(value: object) -> int | None:
@@ -292,12 +292,13 @@ class Gossip:
             link.send(out, _encode(out))
 
     def _decode(self, payload: bytes) -> Message:
-        """The message in ``payload``; its malformed rows left out and counted, and a
-        malformed message counted and raised as ValueError."""
+        """The message in ``payload``; its malformed rows left out and counted, its
+        update rows that carry nothing new left out unread (:meth:`Swim.stale_row`), and
+        a malformed message counted and raised as ValueError."""
         assert self.swim is not None
         bad_rows: list[str] = []
         try:
-            message = Message.from_json(json.loads(payload), bad_rows)
+            message = Message.from_json(json.loads(payload), bad_rows, self.swim.stale_row)
         except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
             self.swim.refusals.add(MALFORMED, str(exc)[:200])
             raise ValueError(str(exc)[:200]) from None

@@ -171,6 +171,12 @@ class Swim(SwimState):
         self._events.clear()
         return events
 
+    def stale_row(self, row: Any) -> bool:
+        """Whether a raw update row carries nothing this member does not hold (see
+        :func:`~hypermesh.agent.gossip.dissemination.stale_row`): the transport leaves
+        such rows out unread (``Message.from_json``'s ``stale``)."""
+        return dissemination.stale_row(self, row)
+
     def drain_meta_changes(self) -> list[str]:
         """Members whose meta changed since the last call (in order of change)."""
         changed = list(self._meta_changed)

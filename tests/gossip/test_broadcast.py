@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, SUSPECT, BroadcastQueue, Update
+from hypermesh.agent.gossip.broadcast import ALIVE, DEAD, SUSPECT, BroadcastQueue, Message, Update
 from hypermesh.agent.gossip.config import GossipConfig
 from hypermesh.agent.gossip.dissemination import quiet_change
 
@@ -152,6 +154,27 @@ def test_update_wire_round_trip_drops_trailing_defaults() -> None:
     assert up("n3").to_wire() == ["n3", "addr-n3", 0, 0]
     assert Update.from_wire(["n3", "h:3", 0, 0]) == Update("n3", "h:3", ALIVE, 0)
     assert hash(alive) == hash(Update.from_wire(alive.to_wire()))
+
+
+@pytest.mark.parametrize("message", [
+    Message("ping", "n1", "h:1", seq=7, target="n2", target_addr="h:2"),
+    Message("ack", "n2", "h:2", seq=7, updates=(
+        Update.alive("n1", "h:1", 2, 3, {"z": 1, "a": [1, 2], "s": "é\"\\"}),
+        Update("n2", "h:2", DEAD, 4, source="n1"),
+        Update("n3", "h:3", SUSPECT, 1, 0, None, "n2"),
+        Update("n4", "h:4", ALIVE, 0),
+        Update.alive("n5", "h:5", 0, 0, {}),
+    )),
+    Message("push_pull_reply", "n1", "h:1", table=(Update.alive("n1", "h:1", 0, 1, {"r": 0}),),
+            updates=(Update("n6", "h:6", ALIVE, 0),), refused=True, page=3),
+])
+def test_encode_writes_what_to_json_says(message: Message) -> None:
+    """The transport's bytes (meta spliced in as held) are the JSON of ``to_json``,
+    and decode to the same message."""
+    payload = message.encode()
+    assert json.loads(payload) == message.to_json()
+    assert b" " not in payload  # compact, as json.dumps with separators writes it
+    assert Message.from_json(json.loads(payload)) == message
 
 
 @pytest.mark.parametrize(
