@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hypermesh.local.processes import wait_for
+from hypermesh.local.processes import stop_started_under, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 GATED = "experiments:\n  wait: {command: ['until [ -f gate ]; do sleep 0.05; done']}\n"
@@ -46,11 +46,20 @@ def _terminated_at(args: list[str], marker: str, root: Path) -> tuple[int, str]:
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stderr.readline())
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=90)
+        try:
+            _, err = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            # Once seen under a loaded suite: the mesh stopped one agent, never signalled
+            # the other, and hung. Say what each agent last logged.
+            logs = {log.parent.name: log.read_text(errors="replace")[-3000:]
+                    for log in sorted(root.glob("*/agent.log"))}
+            raise AssertionError(f"the local mesh did not exit 90 s after SIGTERM; its "
+                                 f"agents' logs: {logs}\n{''.join(lines)}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            stop_started_under(root, timeout=10)  # what the killed mesh left running
     return proc.returncode, "".join(lines) + err
 
 
