@@ -65,34 +65,29 @@ class Update:
         """The carried meta as a fresh dict, or None."""
         return None if self.meta_json is None else dict(json.loads(self.meta_json))
 
+    def _fields(self) -> list[Any]:
+        """The row's fields, the meta as its JSON text, trailing defaults left off."""
+        fields: list[Any] = [self.member, self.address, _STATE_CODE[self.state],
+                             self.incarnation, self.meta_version, self.meta_json, self.source]
+        while len(fields) > 4 and fields[-1] in (None, "", 0):
+            fields.pop()
+        return fields
+
     def to_wire(self) -> list[Any]:
         """A compact JSON-able list: ``[member, address, state code, incarnation,
         meta_version, meta or null, source]``, trailing defaults left off."""
-        meta = None if self.meta_json is None else json.loads(self.meta_json)
-        row: list[Any] = [
-            self.member,
-            self.address,
-            _STATE_CODE[self.state],
-            self.incarnation,
-            self.meta_version,
-            meta,
-            self.source,
-        ]
-        while len(row) > 4 and row[-1] in (None, "", 0):
-            row.pop()
+        row = self._fields()
+        if len(row) > 5 and row[5] is not None:
+            row[5] = json.loads(row[5])
         return row
 
     def wire_text(self) -> str:
         """:meth:`to_wire` as compact JSON text, the meta spliced in as the canonical
         JSON it is held as (no parsing and writing it again)."""
-        fields: list[Any] = [self.member, self.address, _STATE_CODE[self.state],
-                             self.incarnation, self.meta_version, self.meta_json, self.source]
-        while len(fields) > 4 and fields[-1] in (None, "", 0):
-            fields.pop()
         parts = [
             "null" if f is None else f if i == 5 else
             encode_basestring_ascii(f) if isinstance(f, str) else str(int(f))
-            for i, f in enumerate(fields)
+            for i, f in enumerate(self._fields())
         ]
         return f"[{','.join(parts)}]"
 

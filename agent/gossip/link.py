@@ -90,13 +90,13 @@ class PeerLink:
     async def _write_loop(self) -> None:
         while True:
             tag, payload = await self._queue.get()
-            fresh = self._call is None
             try:
                 await self._write(payload)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError, TimeoutError) as exc:
                 self._drop()
-                if not fresh and not isinstance(exc, TimeoutError):
-                    # The old stream was broken: say what a new one says.
+                if not isinstance(exc, TimeoutError) and not refused(exc):
+                    # The old stream was broken, or a new one was opened on a connection
+                    # that broke before the channel knew it: say what a new one says.
                     try:
                         await self._write(payload)
                         continue

@@ -14,7 +14,14 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hypermesh.local.processes import free_port, stop_process, wait_for
+from hypermesh.local.processes import (
+    PORT_TRIES,
+    free_port,
+    log_size,
+    ports_taken,
+    stop_process,
+    wait_for,
+)
 from hypermesh.tls import TlsFiles
 
 
@@ -69,16 +76,31 @@ class EtcdServer:
         signed by ``tls.ca``. The server's own pair is etcdctl's client certificate."""
         self.tls = tls
         self.client_cert_auth = client_cert_auth
-        self.metrics_port = free_port() if tls is not None else None
         self.root_password: str | None = None
         self.data_dir = Path(data_dir)
-        self.client_port = client_port or free_port()
-        self.peer_port = peer_port or free_port()
+        # Ports drawn here are drawn again when a first start finds one taken; ports
+        # given (a cluster's, written into every member's --initial-cluster) are kept.
+        self._own_ports = client_port is None and peer_port is None
+        self._started = False  # once it served, its ports are its own: kept on restarts
+        self.metrics_port: int | None = None
+        self.client_port = client_port or 0
+        self.peer_port = peer_port or 0
+        self._draw_ports()
         self.fsync = fsync
         self.name = name
         self.initial_cluster = initial_cluster
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _draw_ports(self) -> None:
+        if self.tls is not None:
+            self.metrics_port = free_port()
+        if self._own_ports:
+            self.client_port, self.peer_port = free_port(), free_port()
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "etcd.log"
 
     @property
     def url(self) -> str:
@@ -116,7 +138,22 @@ class EtcdServer:
         self.root_password = root_password
 
     def start(self, timeout: float = 30.0, wait: bool = True) -> EtcdServer:
+        """Start etcd; with ``wait``, until it is healthy. A first start whose ports were
+        taken meanwhile (``free_port`` finds a port free; another server may bind it
+        before etcd does) tries again on fresh ports, where this server drew them."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        for tries_left in reversed(range(PORT_TRIES)):
+            logged = log_size(self.log_path)
+            try:
+                return self._start(timeout, wait)
+            except RuntimeError:
+                if (self._started or not self._own_ports or not tries_left
+                        or not ports_taken(self.log_path, logged)):
+                    raise
+            self._draw_ports()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float, wait: bool) -> EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         args = [
             etcd_binary(),
@@ -145,21 +182,22 @@ class EtcdServer:
             args.append("--unsafe-no-fsync")
         args += self.tls_args()
         args += self.extra_args
-        with open(self.data_dir / "etcd.log", "ab") as log:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         if wait:
             try:
                 wait_for(self.healthy, timeout, f"etcd at {self.url}")
-            except TimeoutError:
+            except BaseException:
                 self.stop()
                 raise
+            self._started = True
         return self
 
     def healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
-            log = (self.data_dir / "etcd.log").read_text(errors="replace")[-2000:]
+            log = self.log_path.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{log}")
         base = self.url if self.metrics_port is None else f"http://127.0.0.1:{self.metrics_port}"
         try:
@@ -184,14 +222,19 @@ class EtcdCluster:
     """Several etcd members on loopback forming one cluster (for failover tests)."""
 
     def __init__(self, root: Path, size: int = 3, *, fsync: bool = False) -> None:
-        ports = [(free_port(), free_port()) for _ in range(size)]
+        self.root, self.size, self.fsync = Path(root), size, fsync
+        self._started = False
+        self.members = self._draw_members()
+
+    def _draw_members(self) -> list[EtcdServer]:
+        ports = [(free_port(), free_port()) for _ in range(self.size)]
         cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
-        self.members = [
+        return [
             EtcdServer(
-                Path(root) / f"m{i}",
+                self.root / f"m{i}",
                 client_port=client,
                 peer_port=peer,
-                fsync=fsync,
+                fsync=self.fsync,
                 name=f"m{i}",
                 initial_cluster=cluster,
             )
@@ -203,6 +246,27 @@ class EtcdCluster:
         return ",".join(m.url for m in self.members)
 
     def start(self, timeout: float = 60.0) -> EtcdCluster:
+        """Start every member and wait until each is healthy. A first start where a
+        member found one of its ports taken meanwhile starts the whole cluster again,
+        afresh, on fresh ports (they are written into every member's configuration)."""
+        for tries_left in reversed(range(PORT_TRIES)):
+            logged = [log_size(m.log_path) for m in self.members]
+            try:
+                self._start(timeout)
+            except RuntimeError:
+                taken = any(ports_taken(m.log_path, at)
+                            for m, at in zip(self.members, logged, strict=True))
+                if self._started or not taken or not tries_left:
+                    raise
+            else:
+                self._started = True
+                return self
+            for m in self.members:
+                shutil.rmtree(m.data_dir / "data", ignore_errors=True)
+            self.members = self._draw_members()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         try:
             for m in self.members:  # members wait for each other: start all, then check
                 m.start(wait=False)
@@ -211,7 +275,6 @@ class EtcdCluster:
         except BaseException:
             self.stop()
             raise
-        return self
 
     def stop(self) -> None:
         for m in self.members:

@@ -8,6 +8,7 @@ for these helpers.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import socket
@@ -53,6 +54,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+PORT_TRIES = 3  # first starts whose ports another process took between drawing and binding
+
+
+def log_size(path: Path) -> int:
+    """How many bytes ``path`` holds now (0 if it does not exist): where to read on from."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def ports_taken(log: Path, offset: int) -> bool:
+    """Whether a server's log, from ``offset`` on, says it could not bind a port."""
+    with contextlib.suppress(OSError), open(log, "rb") as f:
+        f.seek(offset)
+        return b"address already in use" in f.read()
+    return False
+
+
 def wait_for(
     condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05
 ) -> object:
@@ -85,17 +105,46 @@ def unmount_under(root: Path) -> list[str]:
     return found
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
-    """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL; its exit code."""
-    if proc.poll() is None:
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> int | None:
+    """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL; its exit code
+    (None if even SIGKILL left it running for 30 s: a process stuck in the kernel).
+
+    The exit is read with ``os.waitpid``, not ``Popen.wait``: a KeyboardInterrupt (Ctrl-C,
+    or a SIGTERM handler that raises one) that lands inside ``Popen.poll`` just after it
+    took the Popen's lock leaves that lock held for good, and ``Popen.wait`` would then
+    never return, so that one interrupted poll (a start's health check, an "is it alive"
+    loop) would hang every later stop."""
+    if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            os.kill(proc.pid, signal.SIGTERM)
+        if not _reaped(proc, timeout):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            _reaped(proc, 30)
     return proc.returncode
+
+
+def _reaped(proc: subprocess.Popen[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``proc`` to exit, and reap it (setting
+    ``returncode``); whether it did."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while proc.returncode is None:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            # Reaped already by an interrupted poll that could not record the status:
+            # what Popen itself says then.
+            proc.returncode = 0
+            break
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    return True
 
 
 def stop_started_under(root: Path, timeout: float) -> list[int]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.processes import free_port, wait_for
+from hypermesh.local.processes import PORT_TRIES, free_port, log_size, ports_taken, wait_for
 
 ACCESS_KEY = "hypermesh"
 SECRET_KEY = "hypermesh-secret"
@@ -40,7 +40,6 @@ _PORT_NAMES = (
     "s3.port",
     "s3.port.grpc",
 )
-PORT_TRIES = 3  # first starts whose ports another process took meanwhile
 
 
 def weed_binary() -> str:
@@ -160,12 +159,11 @@ class S3Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "data").mkdir(exist_ok=True)
         for tries_left in reversed(range(PORT_TRIES)):
-            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            logged = log_size(self.log_path)
             try:
                 return self._start(timeout)
             except RuntimeError:
-                taken = "address already in use" in self._log_since(logged)
-                if self._started or not taken or not tries_left:
+                if self._started or not ports_taken(self.log_path, logged) or not tries_left:
                     raise
             self.ports = {name: free_port() for name in _PORT_NAMES}
         raise AssertionError("unreachable")
@@ -187,12 +185,6 @@ class S3Server:
             raise
         self._started = True
         return self
-
-    def _log_since(self, offset: int) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
-            log.seek(offset)
-            return log.read().decode(errors="replace")
-        return ""
 
     def command(self) -> list[str]:
         """The ``weed server`` command line of this server."""

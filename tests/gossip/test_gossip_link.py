@@ -16,6 +16,7 @@ from hypermesh.agent.gossip.link import PeerLink
 
 SERVER = textwrap.dedent("""
     import asyncio, grpc
+    from hypermesh.local.processes import free_port
     from hypermesh._proto import agent_pb2, agent_pb2_grpc
 
     class Echo(agent_pb2_grpc.AgentServicer):
@@ -26,7 +27,7 @@ SERVER = textwrap.dedent("""
     async def main():
         server = grpc.aio.server()
         agent_pb2_grpc.add_AgentServicer_to_server(Echo(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
         await server.start()
         print(port, flush=True)
         await server.wait_for_termination()
@@ -37,7 +38,9 @@ SERVER = textwrap.dedent("""
 
 @contextlib.contextmanager
 def echo_server() -> Iterator[subprocess.Popen[str]]:
-    """A gossip echo server in a process of its own; its port is on its first line."""
+    """A gossip echo server in a process of its own; its port is on its first line. The
+    port lies below the ephemeral range: once the server is killed, no other server of a
+    busy suite binding port 0 is handed it while a test counts on its refusal."""
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     try:
         yield server

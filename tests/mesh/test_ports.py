@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hypermesh.local import processes
+from hypermesh.local.etcd import EtcdCluster, EtcdServer
 from hypermesh.local.processes import free_port
 from hypermesh.local.s3server import S3Server
 
@@ -60,3 +61,40 @@ def test_a_first_start_whose_port_was_taken_tries_fresh_ports_and_a_restart_does
                 assert server.ports == kept and server.proc is None
         finally:
             server.stop()
+
+
+def test_an_etcd_whose_port_was_taken_starts_on_fresh_ports_and_a_restart_does_not(
+    tmp_path: Path,
+) -> None:
+    server = EtcdServer(tmp_path / "etcd", fsync=False)
+    drawn = server.client_port
+    with socket.create_server(("127.0.0.1", drawn)):
+        try:
+            server.start()
+            assert server.client_port != drawn and server.proc is not None
+            assert "address already in use" in server.log_path.read_text()
+            assert server.healthy()
+            server.stop()
+            with socket.create_server(("127.0.0.1", server.peer_port)):
+                kept = (server.client_port, server.peer_port)
+                with pytest.raises(RuntimeError, match="address already in use"):
+                    server.start()
+                assert (server.client_port, server.peer_port) == kept and server.proc is None
+        finally:
+            server.stop()
+
+
+def test_an_etcd_cluster_whose_peer_port_was_taken_starts_afresh_on_fresh_ports(
+    tmp_path: Path,
+) -> None:
+    cluster = EtcdCluster(tmp_path / "etcd", size=3)
+    drawn = [(m.client_port, m.peer_port) for m in cluster.members]
+    with socket.create_server(("127.0.0.1", cluster.members[2].peer_port)):
+        try:
+            cluster.start()
+            now = [(m.client_port, m.peer_port) for m in cluster.members]
+            assert not set(now) & set(drawn)
+            assert all(m.healthy() for m in cluster.members)
+            assert "address already in use" in cluster.members[2].log_path.read_text()
+        finally:
+            cluster.stop()

@@ -153,7 +153,9 @@ def test_a_chunk_cached_on_one_host_is_read_on_another_from_the_peer(shared: Sha
     wait_for(lambda: sum(reads(mesh, "reader").values()) >= sum(blocks.values()) + 3, 20,
              "reader's mount to record the read", interval=0.3)
     now = reads(mesh, "reader")
-    assert now["store"] == blocks["store"], (blocks, now)
+    # Once, under a loaded suite, one block counted as a store read though all 3 MiB
+    # came from the peer: the agent's counters (peer_lost, cold races...) say more.
+    assert now["store"] == blocks["store"], (blocks, now, before, after)
     start, end = map(float, (shared.out / "peer-a.took").read_text().split())
     print(f"\nread of 3 MiB from the peer across hosts: {end - start:.2f}s "
           f"(holder pauses {PAUSE_S}s between 1 MiB pieces); blocks {blocks} -> {now}")
