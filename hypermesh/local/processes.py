@@ -105,21 +105,26 @@ def unmount_under(root: Path) -> list[str]:
     return found
 
 
-def stop_process(proc: subprocess.Popen[Any], timeout: float) -> int | None:
-    """SIGTERM ``proc``, wait up to ``timeout`` seconds, then SIGKILL; its exit code
-    (None if even SIGKILL left it running for 30 s: a process stuck in the kernel).
+def stop_process(proc: subprocess.Popen[Any], timeout: float, *, group: bool = False
+                 ) -> int | None:
+    """SIGTERM ``proc`` (and SIGCONT, so that a stopped one sees it), wait up to
+    ``timeout`` seconds, then SIGKILL; its exit code (None if even SIGKILL left it running
+    for 30 s: a process stuck in the kernel). ``group``: signal its whole process group
+    (a process started with ``start_new_session``, and its children).
 
     The exit is read with ``os.waitpid``, not ``Popen.wait``: a KeyboardInterrupt (Ctrl-C,
     or a SIGTERM handler that raises one) that lands inside ``Popen.poll`` just after it
     took the Popen's lock leaves that lock held for good, and ``Popen.wait`` would then
     never return, so that one interrupted poll (a start's health check, an "is it alive"
     loop) would hang every later stop."""
-    if proc.returncode is None:
+    send = os.killpg if group else os.kill
+    if not _reaped(proc, 0):  # not reaped yet: its pid is still its own to signal
         with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
+            send(proc.pid, signal.SIGTERM)
+            send(proc.pid, signal.SIGCONT)
         if not _reaped(proc, timeout):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
+                send(proc.pid, signal.SIGKILL)
             _reaped(proc, 30)
     return proc.returncode
 

@@ -22,7 +22,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.processes import PORT_TRIES, free_port, log_size, ports_taken, wait_for
+from hypermesh.local.processes import (
+    PORT_TRIES,
+    free_port,
+    log_size,
+    ports_taken,
+    stop_process,
+    wait_for,
+)
 
 ACCESS_KEY = "hypermesh"
 SECRET_KEY = "hypermesh-secret"
@@ -244,16 +251,7 @@ class S3Server:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-                os.killpg(proc.pid, signal.SIGCONT)  # a paused server must see it too
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, timeout, group=True)  # with SIGCONT: a paused server sees it
         # weed leaves unix sockets named by its ports in /tmp (all of them when killed);
         # a restart on the same ports must bind them again.
         for port in self.ports.values():

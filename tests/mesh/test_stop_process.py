@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import threading
 
-from hypermesh.local.processes import stop_process
+from hypermesh.local.processes import stop_process, wait_for
 
 IGNORES_TERM = ("import signal, time\n"
                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -15,12 +17,13 @@ IGNORES_TERM = ("import signal, time\n"
                 "time.sleep(600)\n")
 
 
-def _stopped_within(proc: subprocess.Popen[str], timeout: float, seconds: float) -> list[object]:
+def _stopped_within(proc: subprocess.Popen[str], timeout: float, seconds: float,
+                    group: bool = False) -> list[object]:
     """stop_process(proc, timeout) in a thread, joined for ``seconds``; what it returned
     (empty if it had not returned by then)."""
     got: list[object] = []
-    worker = threading.Thread(target=lambda: got.append(stop_process(proc, timeout)),
-                              daemon=True)
+    worker = threading.Thread(
+        target=lambda: got.append(stop_process(proc, timeout, group=group)), daemon=True)
     worker.start()
     worker.join(seconds)
     return got
@@ -53,3 +56,40 @@ def test_a_poll_interrupted_while_it_held_the_popen_lock_does_not_hang_the_stop(
             proc.kill()
         proc._waitpid_lock.release()
     assert proc.poll() == -signal.SIGTERM
+
+
+def test_a_child_reaped_behind_the_popens_back_stops_at_once() -> None:
+    # An interrupt after Popen.poll's waitpid but before it recorded the status: the
+    # child is reaped and its status lost. Popen itself then says 0.
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitpid(proc.pid, 0)
+    assert _stopped_within(proc, 10, 5) == [0]
+
+
+def test_a_stopped_process_group_is_stopped_whole() -> None:
+    # A server started in a session of its own, paused (as the "store went away" tests
+    # pause S3), with a child of its own: all of it ends.
+    child_code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())  # the child's own word: it runs
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        assert _stopped_within(proc, 10, 20, group=True) == [-signal.SIGTERM]
+        wait_for(lambda: not _alive(child), 10, "the server's child to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
