@@ -14,14 +14,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from hypermesh.local.processes import (
-    PORT_TRIES,
-    free_port,
-    log_size,
-    ports_taken,
-    stop_process,
-    wait_for,
-)
+from hypermesh.local.processes import free_port, on_fresh_ports, stop_process, wait_for
 from hypermesh.tls import TlsFiles
 
 
@@ -142,16 +135,8 @@ class EtcdServer:
         taken meanwhile (``free_port`` finds a port free; another server may bind it
         before etcd does) tries again on fresh ports, where this server drew them."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        for tries_left in reversed(range(PORT_TRIES)):
-            logged = log_size(self.log_path)
-            try:
-                return self._start(timeout, wait)
-            except RuntimeError:
-                if (self._started or not self._own_ports or not tries_left
-                        or not ports_taken(self.log_path, logged)):
-                    raise
-            self._draw_ports()
-        raise AssertionError("unreachable")
+        return on_fresh_ports(lambda: self._start(timeout, wait), [self.log_path],
+                              self._draw_ports, self._own_ports and not self._started)
 
     def _start(self, timeout: float, wait: bool) -> EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -249,22 +234,16 @@ class EtcdCluster:
         """Start every member and wait until each is healthy. A first start where a
         member found one of its ports taken meanwhile starts the whole cluster again,
         afresh, on fresh ports (they are written into every member's configuration)."""
-        for tries_left in reversed(range(PORT_TRIES)):
-            logged = [log_size(m.log_path) for m in self.members]
-            try:
-                self._start(timeout)
-            except RuntimeError:
-                taken = any(ports_taken(m.log_path, at)
-                            for m, at in zip(self.members, logged, strict=True))
-                if self._started or not taken or not tries_left:
-                    raise
-            else:
-                self._started = True
-                return self
-            for m in self.members:
-                shutil.rmtree(m.data_dir / "data", ignore_errors=True)
-            self.members = self._draw_members()
-        raise AssertionError("unreachable")
+        on_fresh_ports(lambda: self._start(timeout), [m.log_path for m in self.members],
+                       self._redraw, not self._started)
+        self._started = True
+        return self
+
+    def _redraw(self) -> None:
+        """Fresh ports for every member, and no data of the start that failed."""
+        for m in self.members:
+            shutil.rmtree(m.data_dir / "data", ignore_errors=True)
+        self.members = self._draw_members()
 
     def _start(self, timeout: float) -> None:
         try:

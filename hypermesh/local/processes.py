@@ -14,9 +14,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 _PORTS_FLOOR = 10_000  # below this, well-known services live (and root-only ports)
 
@@ -56,6 +56,8 @@ def free_port() -> int:
 
 PORT_TRIES = 3  # first starts whose ports another process took between drawing and binding
 
+T = TypeVar("T")
+
 
 def log_size(path: Path) -> int:
     """How many bytes ``path`` holds now (0 if it does not exist): where to read on from."""
@@ -71,6 +73,24 @@ def ports_taken(log: Path, offset: int) -> bool:
         f.seek(offset)
         return b"address already in use" in f.read()
     return False
+
+
+def on_fresh_ports(start: Callable[[], T], logs: Sequence[Path], redraw: Callable[[], None],
+                   may_redraw: bool) -> T:
+    """``start()`` a server on ports drawn with ``free_port``; when it fails
+    (``RuntimeError``) and one of its ``logs`` says, since this try began, that a port was
+    taken meanwhile (another process bound it between the draw and the server's bind),
+    ``redraw()`` its ports and try again, up to ``PORT_TRIES`` times in all. Only where
+    ``may_redraw``: a server that served once keeps its ports, and its restart fails."""
+    for tries_left in reversed(range(PORT_TRIES)):
+        logged = [(log, log_size(log)) for log in logs]
+        try:
+            return start()
+        except RuntimeError:
+            if not (may_redraw and tries_left and any(ports_taken(*at) for at in logged)):
+                raise
+        redraw()
+    raise AssertionError("unreachable")
 
 
 def wait_for(

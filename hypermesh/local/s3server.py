@@ -22,14 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypermesh.local.processes import (
-    PORT_TRIES,
-    free_port,
-    log_size,
-    ports_taken,
-    stop_process,
-    wait_for,
-)
+from hypermesh.local.processes import free_port, on_fresh_ports, stop_process, wait_for
 
 ACCESS_KEY = "hypermesh"
 SECRET_KEY = "hypermesh-secret"
@@ -86,7 +79,8 @@ class S3Server:
         ``hypermesh/local/netns.py``, which runs :meth:`command` inside that host)."""
         self.data_dir = Path(data_dir)
         self.ip = ip
-        self.ports = {name: free_port() for name in _PORT_NAMES}
+        self.ports: dict[str, int] = {}
+        self._draw_ports()
         self.volume_size_limit_mb = volume_size_limit_mb
         self.volume_max = volume_max
         self.proc: subprocess.Popen[bytes] | None = None
@@ -165,15 +159,11 @@ class S3Server:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "data").mkdir(exist_ok=True)
-        for tries_left in reversed(range(PORT_TRIES)):
-            logged = log_size(self.log_path)
-            try:
-                return self._start(timeout)
-            except RuntimeError:
-                if self._started or not ports_taken(self.log_path, logged) or not tries_left:
-                    raise
-            self.ports = {name: free_port() for name in _PORT_NAMES}
-        raise AssertionError("unreachable")
+        return on_fresh_ports(lambda: self._start(timeout), [self.log_path], self._draw_ports,
+                              not self._started)
+
+    def _draw_ports(self) -> None:
+        self.ports = {name: free_port() for name in _PORT_NAMES}
 
     def _start(self, timeout: float) -> S3Server:
         with open(self.log_path, "ab") as log:

@@ -11,10 +11,11 @@ import threading
 
 from hypermesh.local.processes import stop_process, wait_for
 
-IGNORES_TERM = ("import signal, time\n"
+WAITS = "import signal; signal.pause()"  # until a signal ends it: no timer of its own
+IGNORES_TERM = ("import signal\n"
                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                 "print('ready', flush=True)\n"
-                "time.sleep(600)\n")
+                "signal.pause()\n")
 
 
 def _stopped_within(proc: subprocess.Popen[str], timeout: float, seconds: float,
@@ -30,7 +31,7 @@ def _stopped_within(proc: subprocess.Popen[str], timeout: float, seconds: float,
 
 
 def test_a_process_that_exits_on_sigterm_gives_its_exit_code() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc = subprocess.Popen([sys.executable, "-c", WAITS])
     assert _stopped_within(proc, 10, 20) == [-signal.SIGTERM]
     assert proc.poll() == -signal.SIGTERM
 
@@ -46,7 +47,7 @@ def test_a_poll_interrupted_while_it_held_the_popen_lock_does_not_hang_the_stop(
     # A KeyboardInterrupt (Ctrl-C, or local_mesh.py's SIGTERM) raised inside Popen.poll
     # just after it took its lock leaves the lock held: here it is taken by hand.
     # Popen.wait would then never return; the local mesh once hung so on SIGTERM.
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    proc = subprocess.Popen([sys.executable, "-c", WAITS])
     assert proc._waitpid_lock.acquire(False)
     try:
         assert proc.poll() is None  # what every later poll says: "still running"
@@ -69,11 +70,11 @@ def test_a_child_reaped_behind_the_popens_back_stops_at_once() -> None:
 def test_a_stopped_process_group_is_stopped_whole() -> None:
     # A server started in a session of its own, paused (as the "store went away" tests
     # pause S3), with a child of its own: all of it ends.
-    child_code = "import os, time; print(os.getpid(), flush=True); time.sleep(600)"
+    child_code = "import os, signal; print(os.getpid(), flush=True); signal.pause()"
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time\n"
+        [sys.executable, "-c", "import signal, subprocess, sys\n"
          f"subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
-         "time.sleep(600)\n"],
+         "signal.pause()\n"],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     child = int(proc.stdout.readline())  # the child's own word: it runs
