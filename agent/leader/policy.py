@@ -86,17 +86,17 @@ BACKLOG_BLOCKS_PER_SLOT = 4
 finishes a block finds others unclaimed while the next page is written."""
 
 
-def block_of(view: MeshView, wid: str, exp: Experiment) -> int:
+def block_of(view: MeshView, wid: str, exp: Experiment) -> int | None:
     """Tasks per block of the experiment's expansion: the size of its blocks written so
     far (by this leader or one before it), else one chosen for its whole planned count
-    and the mesh (``hypermesh.state.blocks.block_size``); 1 means per-task keys."""
+    and the mesh (``hypermesh.state.blocks.block_size``); None means per-task keys."""
     written = view.blocks.get((wid, exp.name))
     if written:
         return written[min(written)]
     if sum(view.counts.get((wid, exp.name), {}).values()):
-        return 1  # written task by task already
+        return None  # written task by task already
     if view.workers(wid, exp) is not None:
-        return 1  # capped live before its expansion (hypermesh scale): slot keys
+        return None  # capped live before its expansion (hypermesh scale): slot keys
     mesh_slots = sum(n.slots for n in view.nodes.values())
     return block_size(exp, view.target_count(wid, exp), mesh_slots)
 
@@ -105,7 +105,7 @@ def backlog(view: MeshView, wid: str, exp: Experiment) -> int:
     """How many tasks of the experiment to keep written and not finished, which is also
     the page written at a time: ``BACKLOG_BLOCKS_PER_SLOT`` blocks per slot of the mesh,
     at least ``BACKLOG_MIN_TASKS``, in whole blocks."""
-    block = block_of(view, wid, exp)
+    block = block_of(view, wid, exp) or 1
     mesh_slots = sum(n.slots for n in view.nodes.values())
     tasks = max(BACKLOG_MIN_TASKS, BACKLOG_BLOCKS_PER_SLOT * max(1, mesh_slots) * block)
     return -(-tasks // block) * block

@@ -39,25 +39,30 @@ TASKS_PER_SLOT = 4
 that a block is a small share of the work and the last blocks still spread."""
 
 LARGE_MESH_SLOTS = 64
-"""From this many slots on, an automatic block holds at least 2 tasks once there are 2
-tasks per slot: per-task keys reach every member's watch, which on a mesh this size
-costs more than the finer spread they give, where a block's keys reach only its holder
-and the leader (``agent start --watch own``)."""
+"""From this many slots on, an experiment that may be batched is always written in
+blocks: per-task keys reach every member's watch, which on a mesh this size costs more
+than anything they give, where a block's keys reach only its holder, the leader and the
+nodes that watch everything (``agent start --watch own``). Its automatic blocks hold 2
+tasks once there are 2 tasks per slot, and one task below that, so that every slot
+still gets work."""
 
 
-def block_size(exp: Experiment, count: int, mesh_slots: int) -> int:
+def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     """Tasks per block for an experiment of ``count`` tasks on a mesh of ``mesh_slots``
-    slots: the recipe's ``batch`` if set, else about ``count / (4 * slots)``, at most
-    ``MAX_BLOCK``, and at least 2 on a mesh of ``LARGE_MESH_SLOTS`` with 2 tasks per
-    slot. 1 means per-task keys."""
+    slots, or None for per-task keys: the recipe's ``batch`` if set (``batch: 1`` is
+    per-task keys), else about ``count / (4 * slots)``, at most ``MAX_BLOCK``; below 2
+    per-task keys on a small mesh, and on a mesh of ``LARGE_MESH_SLOTS`` blocks of 2 with
+    2 tasks per slot, one-task blocks with fewer."""
     if why_not_batched(exp) is not None:
-        return 1
+        return None
     if exp.batch is not None:
-        return exp.batch
-    size = count // (TASKS_PER_SLOT * max(1, mesh_slots))
-    if size < 2 and mesh_slots >= LARGE_MESH_SLOTS and count >= 2 * mesh_slots:
-        size = 2
-    return max(1, min(MAX_BLOCK, size))
+        return exp.batch if exp.batch > 1 else None
+    size = min(MAX_BLOCK, count // (TASKS_PER_SLOT * max(1, mesh_slots)))
+    if size >= 2:
+        return size
+    if mesh_slots >= LARGE_MESH_SLOTS:
+        return 2 if count >= 2 * mesh_slots else 1
+    return None
 
 
 # ---------------------------------------------------------------- batch values

@@ -163,7 +163,7 @@ async def expand_experiment(
     state_revision: int | None = None,
     start: int = 0,
     count: int | None = None,
-    block: int = 1,
+    block: int | None = None,
     seen_revision: int | None = None,
 ) -> bool:
     """Write an experiment's tasks, then its ``expanded`` marker.
@@ -179,7 +179,8 @@ async def expand_experiment(
     live change made since the leader decided.
     ``count`` (default: ``start + len(params)``) is the marker's count: an adaptive
     search writes no task up front and each later with ``add_task``.
-    With ``block`` > 1 the tasks are written as blocks of that many (``hypermesh.state.blocks``).
+    With ``block`` the tasks are written as blocks of that many (``hypermesh.state.blocks``;
+    one-task blocks too), without it task by task.
     With ``seen_revision``, the first write also requires that no task or block of the
     experiment was created since that revision of the leader's view: a leader that has
     not seen another's partial expansion must not write blocks of another size over it.
@@ -203,7 +204,7 @@ async def expand_experiment(
     for n, (key, value) in enumerate(values):
         txn.append(etcd.op_put(key, value))
         size += len(key) + len(value)
-        full = len(txn) == MAX_TXN_OPS or len(txn) * block >= MAX_TXN_TASKS
+        full = len(txn) == MAX_TXN_OPS or len(txn) * (block or 1) >= MAX_TXN_TASKS
         if full or size > MAX_TXN_BYTES or n == len(values) - 1:
             done = await etcd.txn(first_guard, txn)
             if not done.succeeded:
@@ -216,10 +217,11 @@ async def expand_experiment(
 
 def _page_values(
     ks: Keyspace, wid: str, experiment: str, params: Sequence[dict[str, Any]], start: int,
-    block: int,
+    block: int | None,
 ) -> list[tuple[str, bytes]]:
-    """The keys and values of tasks ``start..`` with ``params`` (blocks of ``block``)."""
-    if block > 1:
+    """The keys and values of tasks ``start..`` with ``params`` (blocks of ``block``,
+    or task by task without it)."""
+    if block is not None:
         return [
             (ks.block(BlockRef(wid, experiment, start + i)),
              dumps({"params": list(params[i : i + block])}))

@@ -49,24 +49,26 @@ def test_what_keeps_per_task_keys(extra: str, why: str | None) -> None:
     ("batch", "count", "slots", "size"),
     [
         (None, 5000, 16, 78),  # about a quarter of the tasks per slot
-        (None, 100, 16, 1),  # too few tasks per slot: per-task keys
+        (None, 100, 16, None),  # too few tasks per slot: per-task keys
         (None, 10**6, 16, 256),  # at most MAX_BLOCK
         (None, 5000, 0, 256),  # no node yet counts as one slot
         ("batch: 7", 10, 16, 7),  # the recipe's choice
         (None, 2000, 256, 2),  # a large mesh: blocks of 2 rather than per-task keys
-        (None, 511, 256, 1),  # ... once every slot can have a block of 2
+        (None, 511, 256, 1),  # ... one-task blocks below 2 tasks per slot
+        (None, 3, 64, 1),  # ... however few the tasks
         (None, 2000, 63, 7),  # a smaller mesh: the usual quarter
-        (None, 200, 63, 1),
-        ("batch: 1", 2000, 256, 1),  # the recipe's choice still
+        (None, 200, 63, None),
+        ("batch: 1", 2000, 256, None),  # the recipe's choice still
     ],
 )
-def test_block_size(batch: str | None, count: int, slots: int, size: int) -> None:
+def test_block_size(batch: str | None, count: int, slots: int, size: int | None) -> None:
     exp = one_experiment(f"command: 'true'\nsamples: 4\n{batch or ''}\n")
     assert block_size(exp, count, slots) == size
 
 
 def test_a_capped_experiment_is_never_batched_even_when_asked() -> None:
-    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 5000, 4) == 1
+    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 5000, 4) is None
+    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 50, 256) is None
 
 
 def test_batch_field_errors_name_the_field_and_line() -> None:

@@ -73,6 +73,38 @@ experiments:
 
 
 @WATCH
+def test_a_small_experiment_on_a_large_mesh_runs_in_one_task_blocks(
+    mesh: Mesh, watch: str
+) -> None:
+    """From 64 slots on, an experiment of fewer than 2 tasks per slot is written as
+    one-task blocks rather than per-task keys (``block_size``): its keys reach only the
+    holder and the leader, and each task still runs once, a failed one retried."""
+    for name in ("node1", "node2"):
+        mesh.agent(name, slots=32, extra=("--watch", watch))
+    recipe = mesh.write_recipe(
+        """
+experiments:
+  few:
+    samples: 12
+    retries: 1
+    command: ['[ $((HM_TASK_INDEX % 3)) != 0 ] || [ "$HM_ATTEMPT" = 2 ]']
+"""
+    )
+    wid = mesh.submit(recipe)
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded", status
+    tasks = {t["index"]: t for t in mesh.hm_json("tasks", wid)}
+    assert sorted(tasks) == list(range(12))
+    assert all(successes(t) == 1 for t in tasks.values()), tasks
+    for index, task in tasks.items():  # every third failed once, then passed on its retry
+        want = ["failed", "succeeded"] if index % 3 == 0 else ["succeeded"]
+        assert [a["state"] for a in task["attempts"]] == want, task
+    assert len(keys_of(mesh, "block", wid)) == 12
+    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
+    wait_for(lambda: keys_of(mesh, "bclaim", wid) == [], 15, "every block to be given back")
+
+
+@WATCH
 def test_a_paused_holder_loses_its_block_and_its_late_results(mesh: Mesh, watch: str) -> None:
     paused = mesh.agent("node1", extra=("--watch", watch))
     recipe = mesh.write_recipe(
