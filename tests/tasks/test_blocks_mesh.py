@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -37,12 +38,27 @@ def keys_of(mesh: Mesh, kind: str, wid: str) -> list[str]:
     return asyncio.run(read())
 
 
+def run_to_success(mesh: Mesh, recipe_text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Submit ``recipe_text``, wait for its workflow to succeed: its id and tasks."""
+    wid = mesh.submit(mesh.write_recipe(recipe_text))
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
+    assert status["state"] == "succeeded", status
+    return wid, mesh.hm_json("tasks", wid)
+
+
+def assert_written_in_blocks(mesh: Mesh, wid: str, blocks: int) -> None:
+    """``wid`` was written as ``blocks`` blocks and no per-task key, and every block's
+    claim was given back."""
+    assert len(keys_of(mesh, "block", wid)) == blocks
+    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
+    wait_for(lambda: keys_of(mesh, "bclaim", wid) == [], 15, "every block to be given back")
+
+
 @WATCH
 def test_a_batched_experiment_runs_every_task_once_in_blocks(mesh: Mesh, watch: str) -> None:
     for name in ("node1", "node2", "node3"):
         mesh.agent(name, slots=2, extra=("--watch", watch))
-    recipe = mesh.write_recipe(
-        """
+    wid, tasks = run_to_success(mesh, """
 experiments:
   sweep:
     parameters: {x: {values: [a, 'b c', '$(touch /tmp/hm-pwned)']}}
@@ -54,22 +70,14 @@ experiments:
     samples: 5
     batch: 2
     command: ['true']
-"""
-    )
-    wid = mesh.submit(recipe)
-    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
-    assert status["state"] == "succeeded", status
-    tasks = mesh.hm_json("tasks", wid)
+""")
     assert len(tasks) == 35
     assert all(t["state"] == "succeeded" and successes(t) == 1 for t in tasks), tasks
     assert all(len(t["attempts"]) == 1 and t["attempts"][0]["reason"] == "exit" for t in tasks)
     # The work spread over the agents, and parameters reached the tasks as data.
     assert len({t["node"] for t in tasks}) >= 2
     assert not os.path.exists("/tmp/hm-pwned")
-    # Written as blocks (8 + 3), no per-task keys; every block claim given back.
-    assert len(keys_of(mesh, "block", wid)) == 11
-    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
-    assert keys_of(mesh, "bclaim", wid) == []
+    assert_written_in_blocks(mesh, wid, 8 + 3)
 
 
 @WATCH
@@ -81,27 +89,20 @@ def test_a_small_experiment_on_a_large_mesh_runs_in_one_task_blocks(
     holder and the leader, and each task still runs once, a failed one retried."""
     for name in ("node1", "node2"):
         mesh.agent(name, slots=32, extra=("--watch", watch))
-    recipe = mesh.write_recipe(
-        """
+    wid, listed = run_to_success(mesh, """
 experiments:
   few:
     samples: 12
     retries: 1
     command: ['[ $((HM_TASK_INDEX % 3)) != 0 ] || [ "$HM_ATTEMPT" = 2 ]']
-"""
-    )
-    wid = mesh.submit(recipe)
-    status = mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)
-    assert status["state"] == "succeeded", status
-    tasks = {t["index"]: t for t in mesh.hm_json("tasks", wid)}
+""")
+    tasks = {t["index"]: t for t in listed}
     assert sorted(tasks) == list(range(12))
     assert all(successes(t) == 1 for t in tasks.values()), tasks
     for index, task in tasks.items():  # every third failed once, then passed on its retry
         want = ["failed", "succeeded"] if index % 3 == 0 else ["succeeded"]
         assert [a["state"] for a in task["attempts"]] == want, task
-    assert len(keys_of(mesh, "block", wid)) == 12
-    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
-    wait_for(lambda: keys_of(mesh, "bclaim", wid) == [], 15, "every block to be given back")
+    assert_written_in_blocks(mesh, wid, 12)
 
 
 @WATCH
