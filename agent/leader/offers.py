@@ -12,6 +12,11 @@ the number of nodes.
 An offer is a hint, never a grant: the claim (``claim_open_block``) is what decides, so
 a stale offer costs one refused transaction. The next leader plans again from etcd.
 
+No node is left with nothing while another holds two blocks (it takes the other's
+second), nor, at a whole plan, while another has left a block unclaimed for
+``RESCAN_S``: that node has no free slot, and at the end of the work its one block would
+wait there for as long as its running tasks take.
+
 Planning is incremental. A whole plan (:func:`plan_offers`) looks at every node and
 every block: it runs on the first round, every ``RESCAN_S``, and after any change of
 nodes or workflows (``MeshView.offer_epoch``). Between them a round looks only at the
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.state.fit import allowed_on
@@ -64,6 +69,7 @@ def claimable(view: MeshView, bref: BlockRef) -> bool:
 def plan_offers(
     view: MeshView, cursors: dict[tuple[str, str], int] | None = None,
     ahead: int = OFFER_AHEAD, current: dict[str, tuple[BlockRef, ...] | None] | None = None,
+    stale: Collection[BlockRef] = (),
 ) -> dict[str, tuple[BlockRef, ...]]:
     """What each live node that chooses from offers should be offered now.
 
@@ -73,6 +79,8 @@ def plan_offers(
     experiment, the position of its first block that was not finished) lets a round
     skip the finished blocks a former round passed; the caller keeps it between rounds.
     ``current``: the offers as last written, where the view may not show them yet.
+    ``stale``: offered blocks their node has left unclaimed for a while (it has no free
+    slot): a node left with nothing takes one (``_share``).
     """
     nodes = _takers(view.nodes)
     taken: set[BlockRef] = set()
@@ -96,20 +104,35 @@ def plan_offers(
                     break
             if not hungry:
                 break
-    _share(view, nodes, plan)
+    _share(view, nodes, plan, stale)
     return {name: tuple(blocks) for name, blocks in plan.items()}
 
 
-def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]]) -> None:
+def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]],
+           stale: Collection[BlockRef] = ()) -> None:
     """No node is left with nothing while another holds two blocks: the one with nothing
     takes the other's last. Without this, a node that joins once every block is offered
     (a burst node, provisioned for exactly that backlog) would wait while the busy
-    nodes' offers keep the next blocks for later."""
+    nodes' offers keep the next blocks for later. Nor while another has left a block
+    unclaimed for a while (``stale``): that node is busy, and at the end of the work its
+    one offered block would wait for a free slot there (up to a task's length) while
+    this node idles."""
     donors = [name for name in nodes if len(plan[name]) > 1]
-    for name in (n for n in nodes if not plan[n]):
+    empty = [n for n in nodes if not plan[n]]
+    for name in empty:
         for donor in donors:
             if len(plan[donor]) > 1 and _open_to(view, plan[donor][-1], nodes[name]):
                 plan[name].append(plan[donor].pop())
+                break
+    if not stale:
+        return
+    held = [(name, bref) for name in nodes for bref in plan[name] if bref in stale]
+    for name in (n for n in empty if not plan[n]):
+        for i, (donor, bref) in enumerate(held):
+            if bref in plan[donor] and _open_to(view, bref, nodes[name]):
+                plan[donor].remove(bref)
+                plan[name].append(bref)
+                del held[i]
                 break
 
 
@@ -188,9 +211,13 @@ class Offers:
         self._waiting: dict[BlockRef, None] = {}  # claimable, offered to no one, in order
         self._takers_epoch = -1
         self._any_taker = False
+        # When each offered block was offered to the node it is offered to, by the clock
+        # of :meth:`changes`: one left unclaimed for ``RESCAN_S`` is ``stale``.
+        self._since: dict[BlockRef, tuple[str, float]] = {}
 
     def handed_over(self) -> None:
         self._written.clear()
+        self._since.clear()
         self._cursors.clear()
         self._epoch = -1
         self.agent.view.offer_blocks = None  # a follower's view need not keep them
@@ -218,8 +245,10 @@ class Offers:
             self._cursors.clear()
             self._rescan_at = now + RESCAN_S
         view.offer_blocks, self._epoch = set(), view.offer_epoch
-        wanted = plan_offers(view, self._cursors, current=self._written)
+        stale = {b for b, (_, since) in self._since.items() if now - since >= RESCAN_S}
+        wanted = plan_offers(view, self._cursors, current=self._written, stale=stale)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
+        self._since = {b: v for b, v in self._since.items() if b in self._offered_to}
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
         self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
         self._waiting = dict.fromkeys(b for b in _candidates(view, dict(self._cursors))
@@ -318,6 +347,9 @@ class Offers:
         wanted, whole = self.plan(now)
         out: list[tuple[str, tuple[BlockRef, ...] | None]] = []
         for name, blocks in wanted.items():
+            for bref in blocks:
+                if self._since.get(bref, ("", 0.0))[0] != name:
+                    self._since[bref] = (name, now)
             if self._written.get(name, view.offers.get(name, ((), 0))[0]) != blocks:
                 out.append((name, blocks))
                 self._written[name] = blocks

@@ -15,7 +15,7 @@ from hypermesh.state.blocks import Batch, ResultEntry
 from hypermesh.state.keyspace import BlockRef
 from hypermesh.state.records import NodeRecord
 from tests.state.test_model import Feed
-from tests.state.test_own_watch import offered_feed
+from tests.state.test_own_watch import offer, offered_feed
 from tests.tasks.test_blocks import batch
 
 Changes = list[tuple[str, tuple[BlockRef, ...] | None]]
@@ -108,6 +108,42 @@ def test_a_node_whose_offer_empties_between_whole_plans_takes_a_busy_nodes_secon
     assert offers.changes(0.1) == [("n2", (b[1],)), ("n1", (b[0],))]
     claim(feed, b[1], "n2")
     assert offers.changes(0.2) == [("n2", ())]  # one block each is as far as sharing goes
+
+
+def test_a_block_a_busy_node_leaves_unclaimed_goes_to_a_node_with_nothing() -> None:
+    # The end of the work: n1 is busy (its slots full) and leaves b[0] unclaimed, n2 has
+    # nothing. Sharing stops at one block each, so b[0] stays with n1 until it has been
+    # offered there for RESCAN_S; the next whole plan gives it to n2, which claims it.
+    feed, b = offered_feed({"n1": True, "n2": True}, 3)
+    offers = offers_of(feed)
+    assert offers.changes(0.0) == [("n1", (b[0], b[1])), ("n2", (b[2],))]
+    claim(feed, b[2], "n2")
+    assert offers.changes(0.1) == [("n2", (b[1],)), ("n1", (b[0],))]
+    claim(feed, b[1], "n2")
+    assert offers.changes(0.2) == [("n2", ())]
+    assert offers.changes(RESCAN_S - 0.1) == []  # not a whole plan yet: nothing moves
+    assert offers.changes(RESCAN_S + 0.1) == [("n1", ()), ("n2", (b[0],))]
+    claim(feed, b[0], "n2")
+    assert offers.changes(RESCAN_S + 0.2) == [("n2", ())]
+
+
+def test_a_block_offered_for_a_while_stays_where_it_is_when_no_node_is_left_without() -> None:
+    # b[0] and b[1] are old offers, but every node has one: nothing is gained by a move.
+    feed, b = offered_feed({"n1": True, "n2": True}, 2)
+    offers = offers_of(feed)
+    assert offers.changes(0.0) == [("n1", (b[0],)), ("n2", (b[1],))]
+    assert offers.changes(3 * RESCAN_S) == []
+
+
+def test_a_new_leader_counts_an_offer_it_found_from_its_first_plan() -> None:
+    # Offers a former leader wrote, still valid, are not written again, but their age
+    # counts from the new leader's first plan: after RESCAN_S more they may move.
+    feed, b = offered_feed({"n1": True, "n2": True}, 1)
+    offer(feed, "n1", (b[0],))
+    feed.put(feed.ks.offer("n2"), {"blocks": []})
+    offers = offers_of(feed)
+    assert offers.changes(100.0) == []
+    assert offers.changes(100.0 + RESCAN_S) == [("n1", ()), ("n2", (b[0],))]
 
 
 def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:
