@@ -233,6 +233,7 @@ class Agent:
         self.claiming: set[TaskRef] = set()  # tasks of the claim transaction in flight
         self.claimer = Claimer(self)
         self.leader_duty = LeaderDuty(self)
+        self.leader_duty.offers.free_gpus = self.gossip.free_gpus  # GPU work: where one is free
         self.campaign = Campaign(self)
         self.scheduler = Scheduler(self)
         self._tasks: list[asyncio.Task[Any]] = []

@@ -221,16 +221,24 @@ def patch_agents(task_seconds: float, gossip: bool, own_gossip_connections: bool
 
 
 def member_config(
-    name: str, work_dir: Path, slots: int, lease_ttl: int, watch: str = "all"
+    name: str, work_dir: Path, slots: int, lease_ttl: int, watch: str = "all", gpus: int = 0,
 ) -> AgentConfig:
     """What ``hypermesh agent start --preset lan --name NAME --work-dir DIR --slots S
     --lease-ttl TTL --listen 127.0.0.1:0 --http-listen off --metrics-listen off
-    --peer-sharing off --telemetry-period 3600 --gpus 0`` builds."""
+    --peer-sharing off --telemetry-period 3600 --gpus G`` builds."""
     return AgentConfig.lan(
-        name=name, listen="127.0.0.1:0", work_dir=work_dir, slots=slots, gpus=0,
+        name=name, listen="127.0.0.1:0", work_dir=work_dir, slots=slots, gpus=gpus,
         lease_ttl=lease_ttl, http_listen=None, metrics_listen=None, health_listen=None,
         peer_sharing=False, telemetry_period=TELEMETRY_PERIOD_S, watch=watch,
     )
+
+
+def with_task_gpus(recipe: str, gpus: float) -> str:
+    """``recipe`` (``recipe_text``'s) with each task asking for ``gpus`` GPUs."""
+    if not gpus:
+        return recipe
+    head, sep, tail = recipe.partition("    command:")
+    return f"{head}    hardware: {{gpus: {gpus:g}}}\n{sep}{tail}"
 
 
 # ---------------------------------------------------------------- results
@@ -334,9 +342,10 @@ class Members:
     """The members of this process: their agents and the tasks running them."""
 
     def __init__(self, root: Path, etcd_url: str, namespace: str, slots: int,
-                 lease_ttl: int, watch: str = "all") -> None:
+                 lease_ttl: int, watch: str = "all", gpus: int = 0) -> None:
         self.root = root
         self.watch = watch
+        self.gpus = gpus
         self.lease_ttl = lease_ttl
         self.etcd_url = etcd_url
         self.namespace = namespace
@@ -346,7 +355,7 @@ class Members:
 
     def add(self, name: str) -> daemon.Agent:
         agent = daemon.Agent(member_config(name, self.root / name, self.slots, self.lease_ttl,
-                                           self.watch),
+                                           self.watch, self.gpus),
                              parse_endpoints(self.etcd_url), self.namespace)
         options = getattr(getattr(agent.etcd.client, "_manager", None), "grpc_options", None)
         if isinstance(options, list):  # its own connection to etcd, as on its own machine
@@ -456,7 +465,7 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
     env = {**os.environ, "HYPERMESH_ETCD": etcd.url, "HYPERMESH_NAMESPACE": args.namespace}
     etcd_pid = etcd.proc.pid if etcd.proc else -1
     members = Members(root / "members", etcd.url, args.namespace, args.slots,
-                      args.lease_ttl, args.watch)
+                      args.lease_ttl, args.watch, args.gpus)
     result = Result(members=args.members, slots=args.slots, tasks=args.tasks,
                     gossip=not args.no_gossip)
     lag = LagProbe()
@@ -474,7 +483,8 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
             if code:
                 raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
-        recipe.write_text(recipe_text(args.tasks, block=args.block))
+        recipe.write_text(with_task_gpus(recipe_text(args.tasks, block=args.block),
+                                         args.task_gpus))
         COUNTERS.attempts.clear()
         EVENTS.take()
         APPLIED.start()
@@ -651,6 +661,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block", type=int, default=None,
                    help="tasks per block (the recipe's batch); default: the automatic size, "
                    "which is per-task keys once the slots are over a quarter of the tasks")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="GPUs of each member (agent start --gpus; none need exist) [0]")
+    p.add_argument("--task-gpus", type=float, default=0.0,
+                   help="GPUs each task asks for (hardware: {gpus: G}) [0]")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,

@@ -27,6 +27,7 @@ from hypermesh.agent.tasks.blocks import choose_block
 from hypermesh.agent.tasks.images import images_wanted
 from hypermesh.agent.tasks.running import Running
 from hypermesh.errors import EtcdUnavailable
+from hypermesh.state.records import TERMINAL
 from hypermesh.state.txns import ClaimPlan, claim_tasks
 
 if TYPE_CHECKING:
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
     from hypermesh.agent.ops.telemetry import Machine
     from hypermesh.agent.tasks.attempts import Attempts
     from hypermesh.agent.tasks.blocks import BlockDuty
-    from hypermesh.agent.tasks.gpu_pool import DeviceSource, GpuPool
+    from hypermesh.agent.tasks.gpu_pool import DeviceSource, GpuInfo, GpuPool
     from hypermesh.agent.tasks.images import ImageCache
     from hypermesh.config import AgentConfig
+    from hypermesh.recipe.recipe import Hardware
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace, TaskRef
     from hypermesh.state.records import NodeRecord
@@ -150,10 +152,11 @@ class Claimer:
         while not a.stopping.is_set() and not a.lease_lost.is_set():
             if me.slots - len(running) - len(a.gangs.held()) - len(a.claiming) <= 0:
                 return
-            start = blocks.next_start()
+            start = blocks.next_start(self._book)
             if start is None:
                 if not blocks.wants_block():
                     return
+                held_back = held_back | self._no_gpu_free()
                 if blocks.own:  # chosen from this node's offer; read from etcd once won
                     bref = blocks.choose_offered(held_back)
                     if bref is None or await blocks.claim_offered(bref) is None:
@@ -165,10 +168,46 @@ class Claimer:
                 if bref is None or await blocks.claim(bref, self._refused) is None:
                     return
                 continue
-            block, ref, n, started_at = start
+            block, ref, n, started_at, devices = start
             params = block.params[ref.index - block.ref.first] if block.params else None
-            a.attempts.start(Running(ClaimPlan(ref, n), block.fence, 0.0, block=block.ref,
-                                     started_at=started_at, params=params))
+            gpus = self._hardware(ref.workflow, ref.experiment).gpus
+            a.attempts.start(Running(ClaimPlan(ref, n), block.fence, gpus, devices,
+                                     block=block.ref, started_at=started_at, params=params))
+
+    def _hardware(self, wid: str, experiment: str) -> Hardware:
+        return self.agent.view.workflows[wid].recipe.experiment(experiment).hardware
+
+    def _book(self, ref: TaskRef) -> list[int] | None:
+        """Book the GPUs a block's task asks for as it starts (one-task blocks of GPU
+        experiments on a large mesh, ``hypermesh.state.blocks.block_size``): their
+        indices, none for a task that asks for none, None if they are taken now."""
+        a = self.agent
+        hw = self._hardware(ref.workflow, ref.experiment)
+        if not hw.gpus:
+            return []
+        if not a.machine.gpus:
+            return None
+        return a.gpu_pool.book(ref, hw, a.gpu_source.devices())
+
+    def _no_gpu_free(self) -> set[tuple[str, str]]:
+        """The live experiments (workflow, name) asking for GPUs that no GPU of this
+        node has room for now: no block of theirs is claimed until one has."""
+        a = self.agent
+        view = a.view
+        out: set[tuple[str, str]] = set()
+        pool: GpuPool | None = None
+        devices: list[GpuInfo] = []
+        for wf in view.workflows.values():
+            if view.workflow_state(wf.id) in TERMINAL:
+                continue
+            for exp in wf.recipe.experiments:
+                if not exp.hardware.gpus:
+                    continue
+                if pool is None and a.machine.gpus:
+                    pool, devices = a.gpu_pool.copy(), a.gpu_source.devices()
+                if pool is None or pool.place(exp.hardware, devices) is None:
+                    out.add((wf.id, exp.name))
+        return out
 
     def _refused(self, revision: int) -> None:
         """A claim (of tasks or a block) lost at ``revision``: our view is older than

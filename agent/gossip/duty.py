@@ -633,6 +633,13 @@ class Gossip:
         member = self.swim.member(name) if self.swim is not None else None
         return member is None or member.state == "alive"
 
+    def free_gpus(self, name: str) -> float | None:
+        """The GPUs ``name`` last said it has free (its gossiped ``free_gpus``, a second
+        or two old), or None when gossip has no word of it."""
+        member = self.swim.member(name) if self.swim is not None else None
+        free = member.meta.get("free_gpus") if member is not None else None
+        return float(free) if isinstance(free, (int, float)) else None
+
     def members(self) -> agent_pb2.Members:
         if self.swim is None:
             return agent_pb2.Members()

@@ -31,9 +31,10 @@ in proportion to what changed, not to the size of the mesh.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 from hypermesh.state.fit import allowed_on
@@ -69,7 +70,7 @@ def claimable(view: MeshView, bref: BlockRef) -> bool:
 def plan_offers(
     view: MeshView, cursors: dict[tuple[str, str], int] | None = None,
     ahead: int = OFFER_AHEAD, current: dict[str, tuple[BlockRef, ...] | None] | None = None,
-    stale: Collection[BlockRef] = (),
+    stale: Collection[BlockRef] = (), free_gpus: FreeGpus | None = None,
 ) -> dict[str, tuple[BlockRef, ...]]:
     """What each live node that chooses from offers should be offered now.
 
@@ -80,14 +81,16 @@ def plan_offers(
     skip the finished blocks a former round passed; the caller keeps it between rounds.
     ``current``: the offers as last written, where the view may not show them yet.
     ``stale``: offered blocks their node has left unclaimed for a while (it has no free
-    slot): a node left with nothing takes one (``_share``).
+    slot): a node left with nothing takes one (``_share``). ``free_gpus``: the GPUs a
+    node has free, as gossip last said (``_open_to``).
     """
     nodes = _takers(view.nodes)
+    open_to = _opener(view, free_gpus)
     taken: set[BlockRef] = set()
     plan: dict[str, list[BlockRef]] = {}
     for name, rec in nodes.items():
         now = (current or {}).get(name, view.offers.get(name, ((), 0))[0]) or ()
-        kept = [b for b in now if b not in taken and _open_to(view, b, rec) and claimable(view, b)]
+        kept = [b for b in now if b not in taken and open_to(b, rec) and claimable(view, b)]
         plan[name] = kept[:ahead]
         taken.update(plan[name])
     hungry = [name for name in nodes if len(plan[name]) < ahead]
@@ -96,7 +99,7 @@ def plan_offers(
             if bref in taken:
                 continue
             for name in hungry:
-                if _open_to(view, bref, nodes[name]):
+                if open_to(bref, nodes[name]):
                     plan[name].append(bref)
                     taken.add(bref)
                     if len(plan[name]) >= ahead:
@@ -104,11 +107,11 @@ def plan_offers(
                     break
             if not hungry:
                 break
-    _share(view, nodes, plan, stale)
+    _share(open_to, nodes, plan, stale)
     return {name: tuple(blocks) for name, blocks in plan.items()}
 
 
-def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]],
+def _share(open_to: Opener, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]],
            stale: Collection[BlockRef] = ()) -> None:
     """No node is left with nothing while another holds two blocks: the one with nothing
     takes the other's last. Without this, a node that joins once every block is offered
@@ -121,7 +124,7 @@ def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[Bl
     empty = [n for n in nodes if not plan[n]]
     for name in empty:
         for donor in donors:
-            if len(plan[donor]) > 1 and _open_to(view, plan[donor][-1], nodes[name]):
+            if len(plan[donor]) > 1 and open_to(plan[donor][-1], nodes[name]):
                 plan[name].append(plan[donor].pop())
                 break
     if not stale:
@@ -129,19 +132,42 @@ def _share(view: MeshView, nodes: dict[str, NodeRecord], plan: dict[str, list[Bl
     held = [(name, bref) for name in nodes for bref in plan[name] if bref in stale]
     for name in (n for n in empty if not plan[n]):
         for i, (donor, bref) in enumerate(held):
-            if bref in plan[donor] and _open_to(view, bref, nodes[name]):
+            if bref in plan[donor] and open_to(bref, nodes[name]):
                 plan[donor].remove(bref)
                 plan[name].append(bref)
                 del held[i]
                 break
 
 
-def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord) -> bool:
-    """``node`` may run ``bref``: its work is live and allowed there. (A node pulling the
-    experiment's image is offered it too: it claims once the image is there.)"""
+FreeGpus = Callable[[str], "float | None"]
+"""A node's free GPUs by its name, as gossip last said; None when it has said nothing."""
+
+Opener = Callable[[BlockRef, NodeRecord], bool]
+
+
+def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
+             free_gpus: FreeGpus | None = None) -> bool:
+    """``node`` may run ``bref``: its work is live and allowed there, and when it asks
+    for GPUs, ``free_gpus`` (when given) does not say the node has too few free now: GPU
+    work goes where a GPU is free, so that a node whose GPUs are busy is offered other
+    work. (A node pulling the experiment's image is offered it too: it claims once the
+    image is there.)"""
     if not _live(view, bref):
         return False
-    return allowed_on(view.workflows[bref.workflow].recipe.experiment(bref.experiment), node)
+    exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
+    if not allowed_on(exp, node):
+        return False
+    if exp.hardware.gpus and free_gpus is not None:
+        free = free_gpus(node.name)
+        return free is None or free >= exp.hardware.gpus
+    return True
+
+
+def _opener(view: MeshView, free_gpus: FreeGpus | None) -> Opener:
+    """``_open_to`` for one round of planning: each node's free GPUs asked of gossip at
+    most once."""
+    asked = None if free_gpus is None else functools.lru_cache(maxsize=None)(free_gpus)
+    return lambda bref, node: _open_to(view, bref, node, asked)
 
 
 def _live(view: MeshView, bref: BlockRef) -> bool:
@@ -214,6 +240,10 @@ class Offers:
         # When each offered block was offered to the node it is offered to, by the clock
         # of :meth:`changes`: one left unclaimed for ``RESCAN_S`` is ``stale``.
         self._since: dict[BlockRef, tuple[str, float]] = {}
+        # A node's free GPUs as gossip says (set by the agent): GPU work is offered
+        # where a GPU is free. None: every node that may run it.
+        self.free_gpus: FreeGpus | None = None
+        self._open: Opener = _opener(agent.view, None)
 
     def handed_over(self) -> None:
         self._written.clear()
@@ -234,6 +264,7 @@ class Offers:
         """The offers of the nodes whose offers may have changed, and whether that is a
         whole plan (every node that chooses from offers: the others' are deleted)."""
         view = self.agent.view
+        self._open = _opener(view, self.free_gpus)
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
             return self._plan_whole(view, now), True
@@ -246,7 +277,8 @@ class Offers:
             self._rescan_at = now + RESCAN_S
         view.offer_blocks, self._epoch = set(), view.offer_epoch
         stale = {b for b, (_, since) in self._since.items() if now - since >= RESCAN_S}
-        wanted = plan_offers(view, self._cursors, current=self._written, stale=stale)
+        wanted = plan_offers(view, self._cursors, current=self._written, stale=stale,
+                             free_gpus=self.free_gpus)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
         self._since = {b: v for b, v in self._since.items() if b in self._offered_to}
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
@@ -267,8 +299,10 @@ class Offers:
                     self._waiting[bref] = None
                 else:
                     self._waiting.pop(bref, None)
-            elif rec is None or not (claimable(view, bref) and _open_to(view, bref, rec)):
+            elif rec is None or not (claimable(view, bref) and self._open(bref, rec)):
                 del self._offered_to[bref]
+                if claimable(view, bref) and _live(view, bref):
+                    self._waiting[bref] = None  # open still, to another node
                 blocks = changed.setdefault(node, list(self._written.get(node) or ()))
                 if bref in blocks:
                     blocks.remove(bref)
@@ -305,7 +339,7 @@ class Offers:
                 if len(given) < OFFER_AHEAD:  # stale: it lost a block meanwhile
                     self._full.pop(donor, None)
                     continue
-                if donor == node or not _open_to(view, given[-1], rec):
+                if donor == node or not self._open(given[-1], rec):
                     continue
                 bref = given.pop()
                 changed[donor], changed[node] = given, [bref]
@@ -328,7 +362,7 @@ class Offers:
                 break
             if not (claimable(view, bref) and _live(view, bref)):
                 gone.append(bref)
-            elif _open_to(view, bref, rec):
+            elif self._open(bref, rec):
                 taken.append(bref)
         for bref in gone + taken:
             del self._waiting[bref]

@@ -308,8 +308,12 @@ class BlockDuty:
             self._kick(len(block.pending), urgent=not todo)
         return block
 
-    def next_start(self) -> tuple[HeldBlock, TaskRef, int, float] | None:
-        """The next task to start in a free slot, its attempt number and start time."""
+    def next_start(
+        self, book: Callable[[TaskRef], list[int] | None] | None = None
+    ) -> tuple[HeldBlock, TaskRef, int, float, list[int]] | None:
+        """The next task to start in a free slot, its attempt number, start time and the
+        GPUs ``book`` booked for it. A block whose next task ``book`` cannot place now
+        (None: its GPUs are taken) waits, and the next block is looked at."""
         for block in self.held.values():
             if block.releasing:
                 continue
@@ -319,6 +323,10 @@ class BlockDuty:
                 self.release(block)
                 continue
             if block.todo:
+                ref = TaskRef(block.ref.workflow, block.ref.experiment, block.todo[0])
+                devices = book(ref) if book is not None else []
+                if devices is None:
+                    continue
                 index = block.todo.popleft()
                 if index in block.recovering:
                     block.recovering.discard(index)
@@ -329,7 +337,7 @@ class BlockDuty:
                 now = time.time()
                 block.pending[(index, n)] = AttemptEntry(index, n, "running", started_at=now)
                 self._kick(len(block.pending))
-                return block, TaskRef(block.ref.workflow, block.ref.experiment, index), n, now
+                return block, ref, n, now, devices
         return None
 
     # ------------------------------------------------------------------ ending

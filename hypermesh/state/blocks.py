@@ -3,9 +3,10 @@
 Per-task keys cost about six etcd changes per task, each delivered to every agent's
 mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
 An experiment that qualifies (``why_not_batched``, a rule of the recipe language in
-``hypermesh.recipe.recipe``) is therefore written as *blocks* of up to ``MAX_BLOCK``
-consecutive tasks (``block/`` keys). A node claims a whole block (``bclaim/``, on its
-lease) in one transaction, runs its tasks in its own slots, and records their attempts
+``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs too: ``block_size``)
+is therefore written as *blocks* of up to ``MAX_BLOCK`` consecutive tasks (``block/``
+keys). A node claims a whole block (``bclaim/``, on its lease) in one transaction, runs
+its tasks in its own slots, and records their attempts
 and results in *batches* (``bdone/`` keys), each written by one transaction fenced on
 the claim's create revision, so a holder whose lease is gone writes nothing. The mirror
 (``hypermesh.state.mirror``) expands blocks and batches into the same per-task tables as
@@ -29,7 +30,7 @@ Pure: no I/O. The transactions are in ``hypermesh.state.block_txns``, the holder
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from hypermesh.recipe.recipe import MAX_BLOCK, Experiment, why_not_batched
@@ -52,9 +53,12 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     slots, or None for per-task keys: the recipe's ``batch`` if set (``batch: 1`` is
     per-task keys), else about ``count / (4 * slots)``, at most ``MAX_BLOCK``; below 2
     per-task keys on a small mesh, and on a mesh of ``LARGE_MESH_SLOTS`` blocks of 2 with
-    2 tasks per slot, one-task blocks with fewer."""
+    2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs,
+    and for nothing else that keeps per-task keys, runs in one-task blocks too: its
+    holder books the GPUs as the task starts (``agent/claims/claimer.py``), and a block of
+    one never keeps a task waiting behind another for its GPU."""
     if why_not_batched(exp) is not None:
-        return None
+        return 1 if mesh_slots >= LARGE_MESH_SLOTS and gpus_alone_keep_it_per_task(exp) else None
     if exp.batch is not None:
         return exp.batch if exp.batch > 1 else None
     size = min(MAX_BLOCK, count // (TASKS_PER_SLOT * max(1, mesh_slots)))
@@ -63,6 +67,15 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     if mesh_slots >= LARGE_MESH_SLOTS:
         return 2 if count >= 2 * mesh_slots else 1
     return None
+
+
+def gpus_alone_keep_it_per_task(exp: Experiment) -> bool:
+    """Whether asking for GPUs is all that keeps ``exp`` from blocks (``why_not_batched``),
+    and no ``batch: 1`` asks for per-task keys."""
+    if not exp.hardware.gpus or exp.batch == 1:
+        return False
+    cpu_only = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0))
+    return why_not_batched(cpu_only) is None
 
 
 # ---------------------------------------------------------------- batch values

@@ -16,7 +16,7 @@ from hypermesh.state.keyspace import BlockRef
 from hypermesh.state.records import NodeRecord
 from tests.state.test_model import Feed
 from tests.state.test_own_watch import offer, offered_feed
-from tests.tasks.test_blocks import batch
+from tests.tasks.test_blocks import TRIVIAL, batch, feed_block
 
 Changes = list[tuple[str, tuple[BlockRef, ...] | None]]
 
@@ -133,6 +133,34 @@ def test_a_new_leader_counts_an_offer_it_found_from_its_first_plan() -> None:
     offers = offers_of(feed)
     assert offers.changes(100.0) == []
     assert offers.changes(100.0 + RESCAN_S) == [("n1", ()), ("n2", (b[0],))]
+
+
+def test_gpu_work_is_offered_where_gossip_says_a_gpu_is_free() -> None:
+    # One-task blocks of a GPU experiment (a large mesh), two GPU nodes: g1's GPUs are
+    # all busy, g2 has one free, g3 has not gossiped yet. g1 is offered none (it would
+    # hold them while g2 idles); a node gossip knows nothing of is offered as before.
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 10\n    hardware: {gpus: 1}"),
+                  state="running")
+    for name in ("g1", "g2", "g3"):
+        feed.put(feed.ks.node(name), NodeRecord(name, "a:1", gpus=2, offers=True).to_json())
+    b = [feed_block(feed, "w", first, 1) for first in range(6)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 6})
+    free = {"g1": 0.0, "g2": 1.0}
+    offers = offers_of(feed)
+    offers.free_gpus = free.get
+    assert offers.changes(0.0) == [("g2", (b[0], b[1])), ("g3", (b[2], b[3]))]
+    # g1 has a GPU free by the time g2 claims one: the round that refills g2's offer
+    # gives g1 the blocks that waited.
+    free["g1"] = 1.0
+    claim(feed, b[0], "g2")
+    assert offers.changes(0.1) == [("g2", (b[1],)), ("g1", (b[4], b[5]))]
+    # g2's GPUs fill up (a per-task GPU claim, say): the next whole plan takes b[1] back
+    # from it, and no busy node, nor g2 itself, is given it.
+    free["g2"] = 0.0
+    assert offers.changes(RESCAN_S + 1) == [("g2", ())]
+    free["g2"] = 2.0
+    assert offers.changes(2 * RESCAN_S + 2) == [("g2", (b[1],))]
 
 
 def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:

@@ -66,6 +66,25 @@ def test_block_size(batch: str | None, count: int, slots: int, size: int | None)
     assert block_size(exp, count, slots) == size
 
 
+@pytest.mark.parametrize(
+    ("extra", "count", "slots", "size"),
+    [
+        ("hardware: {gpus: 1}", 100, 16, None),  # a small mesh: per-task keys
+        ("hardware: {gpus: 1}", 100, 64, 1),  # a large one: one-task blocks
+        ("hardware: {gpus: 1}", 100_000, 256, 1),  # ... never more: none waits on a GPU
+        ("hardware: {gpu_memory: 4GiB}", 100, 64, 1),
+        ("hardware: {gpus: 1}\nbatch: 1", 100, 64, None),  # the recipe's choice
+        ("hardware: {gpus: 1}\nworkers: 2", 100, 64, None),  # GPUs are not all it asks
+        ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, None),
+    ],
+)
+def test_gpu_experiments_run_in_one_task_blocks_on_a_large_mesh(
+    extra: str, count: int, slots: int, size: int | None
+) -> None:
+    exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
+    assert block_size(exp, count, slots) == size
+
+
 def test_a_capped_experiment_is_never_batched_even_when_asked() -> None:
     assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 5000, 4) is None
     assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 50, 256) is None

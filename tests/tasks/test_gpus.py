@@ -21,6 +21,7 @@ from hypermesh.agent.tasks.gpu_pool import (
 )
 from hypermesh.recipe.recipe import Hardware
 from tests.conftest import Mesh
+from tests.tasks.test_blocks_mesh import keys_of
 
 GiB = 1 << 30
 
@@ -139,6 +140,33 @@ def test_whole_gpu_tasks_never_share_a_gpu(mesh: Mesh) -> None:
     # At most 3 at once (3 GPUs) although the node has 8 slots.
     assert all(sum(1 for r in rows if r[0] <= s < r[1]) <= 3 for s, _, _ in rows)
     assert (mesh.root / "out" / "cpu").read_text().strip() == "[]"  # no GPU asked: none seen
+
+
+@pytest.mark.parametrize("watch", ["all", "own"])
+def test_gpu_tasks_on_a_large_mesh_run_in_one_task_blocks_and_never_share_a_gpu(
+    mesh: Mesh, watch: str
+) -> None:
+    """From 64 slots on, a GPU experiment is written as one-task blocks: the holder books
+    the GPUs as each starts, claims no block while its GPUs are taken (its slots are not
+    the limit), and the leader offers GPU work where gossip says a GPU is free."""
+    (mesh.root / "out").mkdir()
+    for name in ("node1", "node2"):
+        mesh.agent(name, slots=32, extra=("--gpus", "2", "--watch", watch))
+    recipe = mesh.write_recipe(RECIPE.format(samples=10, hardware="{gpus: 1}"))
+    wid = mesh.submit(recipe, "--wait")
+    train = [t for t in mesh.hm_json("tasks", wid) if t["experiment"] == "train"]
+    assert len(train) == 10 and all(t["state"] == "succeeded" for t in train), train
+    by_node: dict[str, list[tuple[float, float, set[str]]]] = {}
+    for t in train:
+        (a,) = t["attempts"]
+        seen = (mesh.root / "out" / str(t["index"])).read_text().strip()
+        by_node.setdefault(a["node"], []).append((a["started_at"], a["ended_at"], {seen}))
+    for rows in by_node.values():
+        assert all(d <= {"0", "1"} for _, _, d in rows), rows
+        assert all(not (a & b) for a, b in overlapping(rows)), rows
+        assert all(sum(1 for r in rows if r[0] <= s < r[1]) <= 2 for s, _, _ in rows)
+    assert len(keys_of(mesh, "block", wid)) == 11  # 10 + the cpu experiment's one
+    assert keys_of(mesh, "task", wid) == [] and keys_of(mesh, "claim", wid) == []
 
 
 def test_memory_packing_with_fake_nvml(mesh: Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
