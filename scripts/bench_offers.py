@@ -25,6 +25,7 @@ import statistics
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -45,13 +46,14 @@ experiments:
 """
 
 
-def mesh(nodes: int) -> MeshView:
-    """A leader's view of one running workflow and ``nodes`` nodes that take offers."""
+def one_workflow(nodes: int, offers: bool) -> tuple[MeshView, Callable[[str, Any], None]]:
+    """A view of one running workflow (experiment ``e``) and ``nodes`` nodes (taking
+    offers or not), and what feeds it one more key as a watch would."""
     ks = Keyspace("bench")
     view = MeshView(ks)
     revisions = iter(range(1, 1 << 40))
 
-    def put(key: str, value: dict[str, Any]) -> None:
+    def put(key: str, value: Any) -> None:
         rev = next(revisions)
         view.apply(key, dumps(value), rev, rev)
 
@@ -60,7 +62,14 @@ def mesh(nodes: int) -> MeshView:
     put(ks.workflow("w"), wf.to_json())
     put(ks.workflow_state("w"), {"state": "running"})
     for i in range(nodes):
-        put(ks.node(f"n{i}"), NodeRecord(f"n{i}", "a:1", offers=True).to_json())
+        put(ks.node(f"n{i}"), NodeRecord(f"n{i}", "a:1", offers=offers).to_json())
+    return view, put
+
+
+def mesh(nodes: int) -> MeshView:
+    """A leader's view of one running workflow and ``nodes`` nodes that take offers."""
+    view, put = one_workflow(nodes, offers=True)
+    ks = view.ks
     for first in range(0, 8 * nodes, 2):
         put(ks.block(BlockRef("w", "e", first)), {"params": [{"i": first}, {"i": first + 1}]})
     put(ks.expanded("w", "e"), {"count": 8 * nodes})

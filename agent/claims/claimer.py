@@ -164,7 +164,8 @@ class Claimer:
                     continue
                 if a.view.revision < a.written_revision:
                     return  # the watch will bring what we wrote, or what beat our claim
-                bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back)
+                bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back,
+                                    blocks.cursors())
                 if bref is None or await blocks.claim(bref, self._refused) is None:
                     return
                 continue

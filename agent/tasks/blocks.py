@@ -61,6 +61,11 @@ FLUSH_MAX_S = 10.0
 FLUSH_AT = 64
 """Records waiting that make a flush start at once."""
 
+CURSOR_S = 5.0
+"""How long ``choose_block`` skips the finished blocks it passed before looking at them
+again: a block ``hypermesh retry`` reopened waits at most this long for a node that
+chooses blocks itself (the leader's offers rescan as often)."""
+
 
 @dataclass
 class HeldBlock:
@@ -91,7 +96,7 @@ class HeldBlock:
 
 def choose_block(
     view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None,
-    held_back: Collection[tuple[str, str]] = (),
+    held_back: Collection[tuple[str, str]] = (), cursors: dict[tuple[str, str], int] | None = None,
 ) -> BlockRef | None:
     """A block this node may claim: nobody holds it and it has a task without a result
     or claim. Oldest workflow first, experiments in dependency order, blocks in order;
@@ -99,7 +104,11 @@ def choose_block(
     the same experiment rarely collide. Experiments in ``held_back`` (workflow,
     experiment) wait for their image (``agent/tasks/images.py``). A block the leader
     offers another node (``offer/``, in a mesh with ``--watch own`` nodes) is taken only
-    when the experiment has no other: the node it is offered to would find it gone."""
+    when the experiment has no other: the node it is offered to would find it gone.
+    ``cursors`` (per experiment, the position of its first block not finished; the
+    caller keeps it, and clears it now and then for blocks a retry reopened) lets a call
+    skip the finished blocks an earlier one passed: on a large mesh an experiment may
+    have tens of thousands of one-task blocks."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
     offered = _offered_elsewhere(view, node.name)
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
@@ -114,11 +123,19 @@ def choose_block(
                 continue
             candidates: list[BlockRef] = []
             fallback: BlockRef | None = None
-            for first in view.block_firsts(wf.id, name):
-                bref = BlockRef(wf.id, name, first)
-                if bref not in view.block_claims and bref not in held and (
-                    view.block_unfinished(bref) > 0
-                ):
+            key = (wf.id, name)
+            firsts = view.block_firsts(wf.id, name)
+            start = cursors.get(key, 0) if cursors is not None else 0
+            finished_so_far = True
+            for i in range(start, len(firsts)):
+                bref = BlockRef(wf.id, name, firsts[i])
+                unfinished = view.block_unfinished(bref) > 0
+                if finished_so_far and not unfinished:
+                    if cursors is not None:
+                        cursors[key] = i + 1
+                    continue
+                finished_so_far = False
+                if bref not in view.block_claims and bref not in held and unfinished:
                     if bref in offered:
                         fallback = fallback or bref
                         continue
@@ -202,6 +219,10 @@ class BlockDuty:
         # and the tasks it took over after their last attempt was lost.
         self.ended_attempts: Counter[tuple[str, str]] = Counter()
         self.recoveries = 0
+        # choose_block's cursors past each experiment's finished blocks, and when they
+        # are cleared next (a retry may reopen a finished block).
+        self._cursors: dict[tuple[str, str], int] = {}
+        self._cursors_until = 0.0
 
     @property
     def own(self) -> bool:
@@ -219,6 +240,14 @@ class BlockDuty:
         """Whether this node should look for another block: none it holds has a task
         left to start."""
         return not any(b.todo for b in self.held.values())
+
+    def cursors(self) -> dict[tuple[str, str], int]:
+        """``choose_block``'s cursors, cleared every ``CURSOR_S`` seconds."""
+        now = time.monotonic()
+        if now >= self._cursors_until:
+            self._cursors.clear()
+            self._cursors_until = now + CURSOR_S
+        return self._cursors
 
     def batch_key(self, bref: BlockRef) -> str:
         self._seq += 1

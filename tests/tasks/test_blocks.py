@@ -223,6 +223,34 @@ def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
     assert choose_block(MeshView(feed.ks), NodeRecord("n1", "a:1"), set()) is None
 
 
+def test_choose_block_cursors_skip_the_finished_blocks_at_the_start_only() -> None:
+    feed, blocks, me = four_blocks()
+
+    def finish(bref: BlockRef) -> None:
+        results = tuple(ResultEntry(bref.first + k, "succeeded", 1, 0, 1.0) for k in range(2))
+        batch(feed, bref, f"done-{bref.first}", Batch("n2", (), results))
+
+    cursors: dict[tuple[str, str], int] = {}
+    finish(blocks[0])
+    feed.put(feed.ks.block_claim(blocks[1]), {"node": "n2", "lease": 1})  # running there
+    finish(blocks[2])
+    assert choose_block(feed.view, me, set(), cursors=cursors) == blocks[3]
+    assert cursors == {("w", "e"): 1}  # past blocks[0]; a held block is not passed
+    feed.delete(feed.ks.block_claim(blocks[1]))  # given back unfinished: open again
+    assert choose_block(feed.view, me, set(), cursors=cursors) == blocks[1]
+    finish(blocks[1])
+    assert choose_block(feed.view, me, set(), cursors=cursors) == blocks[3]
+    assert cursors == {("w", "e"): 3}
+    # A retry reopens blocks[0]: a call with the cursor does not see it until the owner
+    # clears the cursors; one without any does.
+    feed.put(feed.ks.block_claim(blocks[3]), {"node": "n2", "lease": 1})
+    batch(feed, blocks[0], "reopen", Batch("cli", reopened=((0, 1),)))
+    assert choose_block(feed.view, me, set(), cursors=cursors) is None
+    assert choose_block(feed.view, me, set()) == blocks[0]
+    cursors.clear()
+    assert choose_block(feed.view, me, set(), cursors=cursors) == blocks[0]
+
+
 def test_choose_block_leaves_blocks_offered_to_other_nodes_while_it_has_others() -> None:
     """In a mesh with ``--watch own`` nodes, a node that chooses blocks itself takes the
     ones the leader offers nobody else, and an offered one only when nothing else is
