@@ -171,7 +171,7 @@ class Claimer:
                 continue
             block, ref, n, started_at, devices = start
             params = block.params[ref.index - block.ref.first] if block.params else None
-            gpus = self._hardware(ref.workflow, ref.experiment).gpus
+            gpus = self._hardware(ref.workflow, ref.experiment).gpus if devices else 0.0
             a.attempts.start(Running(ClaimPlan(ref, n), block.fence, gpus, devices,
                                      block=block.ref, started_at=started_at, params=params))
 
@@ -196,6 +196,8 @@ class Claimer:
         a = self.agent
         view = a.view
         out: set[tuple[str, str]] = set()
+        if not a.machine.gpus:  # its record says so: no GPU work is offered or fits here
+            return out
         pool: GpuPool | None = None
         devices: list[GpuInfo] = []
         for wf in view.workflows.values():
@@ -204,9 +206,9 @@ class Claimer:
             for exp in wf.recipe.experiments:
                 if not exp.hardware.gpus:
                     continue
-                if pool is None and a.machine.gpus:
+                if pool is None:
                     pool, devices = a.gpu_pool.copy(), a.gpu_source.devices()
-                if pool is None or pool.place(exp.hardware, devices) is None:
+                if pool.place(exp.hardware, devices) is None:
                     out.add((wf.id, exp.name))
         return out
 

@@ -198,17 +198,8 @@ def _candidates(view: MeshView, cursors: dict[tuple[str, str], int]) -> Iterator
                 continue
             if view.experiment_cancelled(wf.id, name):
                 continue
-            firsts = view.block_firsts(wf.id, name)
-            start = cursors.get(key, 0)
-            finished_so_far = True
-            for i in range(start, len(firsts)):
-                bref = BlockRef(wf.id, name, firsts[i])
-                unfinished = view.block_unfinished(bref) > 0
-                if finished_so_far and not unfinished:
-                    cursors[key] = i + 1
-                    continue
-                finished_so_far = False
-                if unfinished and bref not in view.block_claims:
+            for bref in view.open_blocks(wf.id, name, cursors):
+                if bref not in view.block_claims:
                     yield bref
 
 

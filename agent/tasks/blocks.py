@@ -105,10 +105,9 @@ def choose_block(
     experiment) wait for their image (``agent/tasks/images.py``). A block the leader
     offers another node (``offer/``, in a mesh with ``--watch own`` nodes) is taken only
     when the experiment has no other: the node it is offered to would find it gone.
-    ``cursors`` (per experiment, the position of its first block not finished; the
-    caller keeps it, and clears it now and then for blocks a retry reopened) lets a call
-    skip the finished blocks an earlier one passed: on a large mesh an experiment may
-    have tens of thousands of one-task blocks."""
+    ``cursors`` (``MeshView.open_blocks``) lets a call skip the finished blocks an
+    earlier one passed: on a large mesh an experiment may have tens of thousands of
+    one-task blocks."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
     offered = _offered_elsewhere(view, node.name)
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
@@ -123,19 +122,8 @@ def choose_block(
                 continue
             candidates: list[BlockRef] = []
             fallback: BlockRef | None = None
-            key = (wf.id, name)
-            firsts = view.block_firsts(wf.id, name)
-            start = cursors.get(key, 0) if cursors is not None else 0
-            finished_so_far = True
-            for i in range(start, len(firsts)):
-                bref = BlockRef(wf.id, name, firsts[i])
-                unfinished = view.block_unfinished(bref) > 0
-                if finished_so_far and not unfinished:
-                    if cursors is not None:
-                        cursors[key] = i + 1
-                    continue
-                finished_so_far = False
-                if bref not in view.block_claims and bref not in held and unfinished:
+            for bref in view.open_blocks(wf.id, name, cursors):
+                if bref not in view.block_claims and bref not in held:
                     if bref in offered:
                         fallback = fallback or bref
                         continue

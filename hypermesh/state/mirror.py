@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 from hypermesh.errors import HypermeshError
@@ -740,6 +741,24 @@ class Mirror:
         if firsts is None:
             firsts = self._firsts[key] = sorted(self.blocks.get(key, ()))
         return firsts
+
+    def open_blocks(
+        self, wid: str, experiment: str, cursors: dict[tuple[str, str], int] | None = None
+    ) -> Iterator[BlockRef]:
+        """The experiment's blocks with a task without a result, in order. ``cursors``
+        (per experiment, the position of its first block not finished; the caller keeps
+        it between calls, and clears it now and then for blocks a retry reopened) skips
+        the finished blocks an earlier call passed, and moves past those at the start."""
+        key = (wid, experiment)
+        firsts = self.block_firsts(wid, experiment)
+        finished_so_far = True
+        for i in range(cursors.get(key, 0) if cursors is not None else 0, len(firsts)):
+            bref = BlockRef(wid, experiment, firsts[i])
+            if self.block_unfinished(bref) > 0:
+                finished_so_far = False
+                yield bref
+            elif finished_so_far and cursors is not None:
+                cursors[key] = i + 1
 
     def block_of(self, ref: TaskRef) -> BlockRef | None:
         return self._block_of.get(ref)
