@@ -234,6 +234,7 @@ class Agent:
         self.claimer = Claimer(self)
         self.leader_duty = LeaderDuty(self)
         self.leader_duty.offers.free_gpus = self.gossip.free_gpus  # GPU work: where one is free
+        self.leader_duty.offers.locality = self.locality  # inputs: where the data is
         self.campaign = Campaign(self)
         self.scheduler = Scheduler(self)
         self._tasks: list[asyncio.Task[Any]] = []

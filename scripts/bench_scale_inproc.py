@@ -83,7 +83,7 @@ from bench_scale import (
 
 from hypermesh.agent import daemon
 from hypermesh.agent.gossip import duty as gossip_duty
-from hypermesh.agent.tasks import lifeline, runner
+from hypermesh.agent.tasks import lifeline, mounts, runner
 from hypermesh.config import AgentConfig
 from hypermesh.etcd_endpoints import parse_endpoints
 from hypermesh.local.agents import hypermesh_command
@@ -209,8 +209,12 @@ def patch_agents(task_seconds: float, gossip: bool, own_gossip_connections: bool
     def open_lifeline(work_dir: object, decide: object) -> _NoLifeline:
         return _NoLifeline()
 
+    async def no_mount(self: mounts.Mounts, spec: str) -> Path:
+        return self.root
+
     runner.AttemptProcess.run = run_attempt  # type: ignore[method-assign]
     lifeline.Lifeline.open = open_lifeline  # type: ignore[assignment]
+    mounts.Mounts.ensure = no_mount  # type: ignore[method-assign]
     if not gossip:
         async def no_gossip(self: daemon.Agent) -> None:
             await self.stopping.wait()
@@ -231,6 +235,15 @@ def member_config(
         lease_ttl=lease_ttl, http_listen=None, metrics_listen=None, health_listen=None,
         peer_sharing=False, telemetry_period=TELEMETRY_PERIOD_S, watch=watch,
     )
+
+
+def with_task_inputs(recipe: str, inputs: bool) -> str:
+    """``recipe`` (``recipe_text``'s) with a data set and an input per task (placement by
+    locality), when ``inputs``: the members have no store, so none holds any of it."""
+    if not inputs:
+        return recipe
+    head, sep, tail = recipe.partition("    command:")
+    return f"{head}    data: {{d: d}}\n    inputs: 'd/part-{{{{task_index}}}}'\n{sep}{tail}"
 
 
 def with_task_gpus(recipe: str, gpus: float) -> str:
@@ -483,8 +496,8 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
             if code:
                 raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
-        recipe.write_text(with_task_gpus(recipe_text(args.tasks, block=args.block),
-                                         args.task_gpus))
+        recipe.write_text(with_task_inputs(with_task_gpus(
+            recipe_text(args.tasks, block=args.block), args.task_gpus), args.task_inputs))
         COUNTERS.attempts.clear()
         EVENTS.take()
         APPLIED.start()
@@ -665,6 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPUs of each member (agent start --gpus; none need exist) [0]")
     p.add_argument("--task-gpus", type=float, default=0.0,
                    help="GPUs each task asks for (hardware: {gpus: G}) [0]")
+    p.add_argument("--task-inputs", action="store_true",
+                   help="each task has a data set input (inputs: placement by locality; no "
+                   "member has a store, so nothing is mounted and none holds any of it)")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,

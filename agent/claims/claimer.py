@@ -32,6 +32,7 @@ from hypermesh.state.txns import ClaimPlan, claim_tasks
 
 if TYPE_CHECKING:
     from hypermesh.agent.claims.locality import Locality
+    from hypermesh.agent.claims.placement import Placement
     from hypermesh.agent.claims.pool_wait import PoolWait
     from hypermesh.agent.claims.unsure import UnsureClaims
     from hypermesh.agent.gang.duty import GangDuty
@@ -164,8 +165,12 @@ class Claimer:
                     continue
                 if a.view.revision < a.written_revision:
                     return  # the watch will bring what we wrote, or what beat our claim
+                placement = self._block_placement()
                 bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back,
-                                    blocks.cursors())
+                                    blocks.cursors(), placement)
+                if placement is not None:
+                    assert a.locality is not None
+                    a.locality.after_round(placement, a.view)
                 if bref is None or await blocks.claim(bref, self._refused) is None:
                     return
                 continue
@@ -174,6 +179,20 @@ class Claimer:
             gpus = self._hardware(ref.workflow, ref.experiment).gpus if devices else 0.0
             a.attempts.start(Running(ClaimPlan(ref, n), block.fence, gpus, devices,
                                      block=block.ref, started_at=started_at, params=params))
+
+    def _block_placement(self) -> Placement | None:
+        """Where the data of blocks' tasks is, when a live experiment with ``inputs``
+        runs in blocks (on a large mesh) and this node places by locality."""
+        a = self.agent
+        if a.locality is None:
+            return None
+        view = a.view
+        for wf in view.workflows.values():
+            if view.workflow_state(wf.id) in TERMINAL:
+                continue
+            if any(exp.inputs and view.batched(wf.id, exp.name) for exp in wf.recipe.experiments):
+                return a.locality.placement(view)
+        return None
 
     def _hardware(self, wid: str, experiment: str) -> Hardware:
         return self.agent.view.workflows[wid].recipe.experiment(experiment).hardware

@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from hypermesh.agent.claims.placement import Inputs, Placement, prune_since
@@ -102,6 +102,13 @@ class Locality:
         self._jobs: set[asyncio.Task[None]] = set()
         self._timer = WakeTimer(wake)
         self._told: set[TaskRef] = set()  # deferrals already in the decision log
+        # The leader's offers (``holder``): the inputs of blocks' tasks, looked up apart
+        # from this node's own claims.
+        self.looked_up = 0  # grows whenever a lookup for the offers ended
+        self._block_inputs: dict[TaskRef, Inputs] = {}
+        self._block_lookups: set[TaskRef] = set()  # asked for or being looked up
+        self._block_asked: list[TaskRef] = []  # asked for since the last lookup began
+        self._block_view: MeshView | None = None
 
     # ------------------------------------------------------------------ a round
     def placement(self, view: MeshView, now: float | None = None) -> Placement:
@@ -153,6 +160,65 @@ class Locality:
             task.add_done_callback(self._jobs.discard)
         if placement.next_deadline is not None:
             self._timer.at(placement.next_deadline)
+
+    # ------------------------------------------------------------------ the leader's offers
+    def holder(self, view: MeshView, ref: TaskRef) -> str | None:
+        """For the leader's offers (``BlockLocality`` in ``agent/leader/offers.py``): the
+        node that may run ``ref`` and holds most of its inputs, as gossip says (ties to
+        the first name); "" while its inputs are being looked up (a lookup starts); None
+        when no such node holds any, or its inputs cannot be known."""
+        inputs = self._block_inputs.get(ref)
+        if inputs is None:
+            if ref not in self._block_lookups:
+                self._block_lookups.add(ref)
+                self._block_asked.append(ref)
+                if self._block_view is None:
+                    asyncio.get_running_loop().call_soon(self._look_up_blocks)
+                self._block_view = view
+            return ""
+        wf = view.workflows.get(ref.workflow)
+        if wf is None or not inputs:
+            return None
+        exp = wf.recipe.experiment(ref.experiment)
+        held: dict[str, int] = {}
+        for chunk, size in inputs.items():
+            for node in self.holders(chunk):
+                held[node] = held.get(node, 0) + size
+        best, most = None, 0
+        for node in sorted(held):
+            rec = view.nodes.get(node)
+            if (held[node] > most and rec is not None and rec.state == "alive"
+                    and (node == self.name or self.alive(node)) and allowed_on(exp, rec)):
+                best, most = node, held[node]
+        return best
+
+    def forget(self, keep: Collection[TaskRef]) -> None:
+        """Drop what was looked up for the offers of tasks not in ``keep``."""
+        for ref in [r for r in self._block_inputs if r not in keep]:
+            del self._block_inputs[ref]
+
+    def _look_up_blocks(self) -> None:
+        view, self._block_view = self._block_view, None
+        asked, self._block_asked = self._block_asked, []
+        if view is None or not asked:
+            return
+        jobs = [(r, self._specs(view, r)) for r in asked]
+        task = asyncio.create_task(self._resolve_blocks(jobs), name="locality inputs (offers)")
+        self._jobs.add(task)
+        task.add_done_callback(self._jobs.discard)
+
+    async def _resolve_blocks(
+        self, jobs: list[tuple[TaskRef, list[tuple[str, str, str]] | str]]
+    ) -> None:
+        try:
+            results = await asyncio.to_thread(self._resolve_all, jobs)
+        finally:
+            self._block_lookups.difference_update(ref for ref, _ in jobs)
+        for ref, (inputs, problem) in results.items():
+            self._block_inputs[ref] = inputs
+            if problem:
+                self.decide(f"inputs of {ref} unknown, offered anywhere: {problem}")
+        self.looked_up += 1
 
     def close(self) -> None:
         for task in [*self._jobs, *([self._scan] if self._scan else [])]:

@@ -77,6 +77,8 @@ class LeaderDuty:
         self._published: dict[str, tuple[dict[str, Any] | None, float]] = {}
         self._progress_timer = WakeTimer(self._lead_again)
         self.offers = Offers(agent)  # to nodes that do not watch the blocks (--watch own)
+        self._offers_timer = WakeTimer(self._lead_again)  # when a block's keeping ends
+        self.offers.wake_at = self._offers_timer.at
 
     def handed_over(self) -> None:
         """This node took over or handed over leadership: what another leader published

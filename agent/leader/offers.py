@@ -32,13 +32,14 @@ in proportion to what changed, not to the size of the mesh.
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import time
 from collections.abc import Callable, Collection, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from hypermesh.state.fit import allowed_on
-from hypermesh.state.keyspace import BlockRef
+from hypermesh.state.keyspace import BlockRef, TaskRef
 from hypermesh.state.records import TERMINAL, NodeRecord, dumps
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def plan_offers(
     view: MeshView, cursors: dict[tuple[str, str], int] | None = None,
     ahead: int = OFFER_AHEAD, current: dict[str, tuple[BlockRef, ...] | None] | None = None,
     stale: Collection[BlockRef] = (), free_gpus: FreeGpus | None = None,
+    keep_for: KeepFor | None = None,
 ) -> dict[str, tuple[BlockRef, ...]]:
     """What each live node that chooses from offers should be offered now.
 
@@ -82,10 +84,12 @@ def plan_offers(
     ``current``: the offers as last written, where the view may not show them yet.
     ``stale``: offered blocks their node has left unclaimed for a while (it has no free
     slot): a node left with nothing takes one (``_share``). ``free_gpus``: the GPUs a
-    node has free, as gossip last said (``_open_to``).
+    node has free, as gossip last said (``_open_to``). ``keep_for``: the node a block
+    of an experiment with ``inputs`` waits for (``KeepFor``); no other node is offered it.
     """
     nodes = _takers(view.nodes)
-    open_to = _opener(view, free_gpus)
+    keeps = _cached(keep_for)
+    open_to = _opener(view, free_gpus, keeps)
     taken: set[BlockRef] = set()
     plan: dict[str, list[BlockRef]] = {}
     for name, rec in nodes.items():
@@ -97,6 +101,16 @@ def plan_offers(
     if hungry:
         for bref in _candidates(view, cursors if cursors is not None else {}):
             if bref in taken:
+                continue
+            keeper = keeps(bref) if keeps is not None and _has_inputs(view, bref) else None
+            if keeper is not None:  # only that node may take it: no need to ask the others
+                if keeper in hungry and open_to(bref, nodes[keeper]):
+                    plan[keeper].append(bref)
+                    taken.add(bref)
+                    if len(plan[keeper]) >= ahead:
+                        hungry.remove(keeper)
+                if not hungry:
+                    break
                 continue
             for name in hungry:
                 if open_to(bref, nodes[name]):
@@ -142,32 +156,56 @@ def _share(open_to: Opener, nodes: dict[str, NodeRecord], plan: dict[str, list[B
 FreeGpus = Callable[[str], "float | None"]
 """A node's free GPUs by its name, as gossip last said; None when it has said nothing."""
 
+KeepFor = Callable[[BlockRef], "str | None"]
+"""The node a block of an experiment with ``inputs`` is kept for now: the one that holds
+most of its task's data, while the block has waited less than the locality delay; ""
+while its data is still being looked up (kept for no node); None: any node may take it.
+Only blocks of experiments with ``inputs`` are asked about."""
+
 Opener = Callable[[BlockRef, NodeRecord], bool]
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _cached(fn: Callable[[_T], _R] | None) -> Callable[[_T], _R] | None:
+    """``fn`` asked at most once per argument (for one round of planning)."""
+    return None if fn is None else functools.lru_cache(maxsize=None)(fn)
+
+
+def _has_inputs(view: MeshView, bref: BlockRef) -> bool:
+    return bool(view.workflows[bref.workflow].recipe.experiment(bref.experiment).inputs)
 
 
 def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
-             free_gpus: FreeGpus | None = None) -> bool:
+             free_gpus: FreeGpus | None = None, keep_for: KeepFor | None = None) -> bool:
     """``node`` may run ``bref``: its work is live and allowed there, and when it asks
     for GPUs, ``free_gpus`` (when given) does not say the node has too few free now: GPU
     work goes where a GPU is free, so that a node whose GPUs are busy is offered other
-    work. (A node pulling the experiment's image is offered it too: it claims once the
-    image is there.)"""
+    work. A block kept for the node that holds its data (``keep_for``) is open to that
+    node only. (A node pulling the experiment's image is offered it too: it claims once
+    the image is there.)"""
     if not _live(view, bref):
         return False
     exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
     if not allowed_on(exp, node):
         return False
+    if exp.inputs and keep_for is not None:
+        keeper = keep_for(bref)
+        if keeper is not None and keeper != node.name:
+            return False
     if exp.hardware.gpus and free_gpus is not None:
         free = free_gpus(node.name)
         return free is None or free >= exp.hardware.gpus
     return True
 
 
-def _opener(view: MeshView, free_gpus: FreeGpus | None) -> Opener:
+def _opener(view: MeshView, free_gpus: FreeGpus | None,
+            keep_for: KeepFor | None = None) -> Opener:
     """``_open_to`` for one round of planning: each node's free GPUs asked of gossip at
-    most once."""
-    asked = None if free_gpus is None else functools.lru_cache(maxsize=None)(free_gpus)
-    return lambda bref, node: _open_to(view, bref, node, asked)
+    most once (the caller caches ``keep_for`` likewise: ``_cached``)."""
+    asked = _cached(free_gpus)
+    return lambda bref, node: _open_to(view, bref, node, asked, keep_for)
 
 
 def _live(view: MeshView, bref: BlockRef) -> bool:
@@ -203,6 +241,27 @@ def _candidates(view: MeshView, cursors: dict[tuple[str, str], int]) -> Iterator
                     yield bref
 
 
+class BlockLocality(Protocol):
+    """Where the data of a block's task is, for the leader (``agent/claims/locality.py``)."""
+
+    delay_s: float  # how long a block waits for the node that holds its data
+    looked_up: int  # grows whenever tasks' inputs were looked up
+
+    def holder(self, view: MeshView, ref: TaskRef) -> str | None:
+        """The node that may run ``ref`` and holds most of its inputs; "" while they are
+        being looked up (a lookup is started); None when no such node holds any."""
+        ...
+
+    def forget(self, keep: Collection[TaskRef]) -> None:
+        """Drop what was looked up for tasks not in ``keep``."""
+        ...
+
+
+LOOKUP_POLL_S = 0.2
+"""While the inputs of blocks kept for no node are being looked up, a round every this
+many seconds looks for the answers."""
+
+
 class OfferHost(Protocol):
     """What :class:`Offers` uses of its agent."""
 
@@ -234,12 +293,26 @@ class Offers:
         # A node's free GPUs as gossip says (set by the agent): GPU work is offered
         # where a GPU is free. None: every node that may run it.
         self.free_gpus: FreeGpus | None = None
+        # Where blocks' data is (set by the agent when it places by locality): a block
+        # of an experiment with ``inputs`` is kept for the node that holds most of its
+        # data for ``delay_s`` from when this leader first found it claimable.
+        self.locality: BlockLocality | None = None
+        self.wake_at: Callable[[float], None] = lambda when: None  # a round at `when`
+        self._now = 0.0
+        self._open_since: dict[BlockRef, float] = {}
+        self._keep_until: list[tuple[float, BlockRef]] = []  # a heap: when keeping ends
+        self._kept: dict[str, dict[BlockRef, None]] = {}  # waiting for that node, in order
+        self._kept_by: dict[BlockRef, str] = {}
+        self._looked_up = -1
+        self._keeps: KeepFor | None = None
         self._open: Opener = _opener(agent.view, None)
 
     def handed_over(self) -> None:
         self._written.clear()
         self._since.clear()
         self._cursors.clear()
+        self._open_since.clear()
+        self._keep_until.clear()
         self._epoch = -1
         self.agent.view.offer_blocks = None  # a follower's view need not keep them
 
@@ -255,12 +328,77 @@ class Offers:
         """The offers of the nodes whose offers may have changed, and whether that is a
         whole plan (every node that chooses from offers: the others' are deleted)."""
         view = self.agent.view
-        self._open = _opener(view, self.free_gpus)
+        self._now = now
+        self._keeps = _cached(self._keep) if self.locality is not None else None
+        self._open = _opener(view, self.free_gpus, self._keeps)
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
             return self._plan_whole(view, now), True
         touched, view.offer_blocks = view.offer_blocks, set()
-        return (self._plan_changes(view, touched) if touched else {}), False
+        due = bool(self._kept) and (self._keeping_ended(now) or self._answers_came())
+        return (self._plan_changes(view, touched or set()) if touched or due else {}), False
+
+    def _keeping_ended(self, now: float) -> bool:
+        return bool(self._keep_until) and self._keep_until[0][0] <= now
+
+    def _answers_came(self) -> bool:
+        """Blocks wait for their data to be looked up, and lookups ended since."""
+        return ("" in self._kept and self.locality is not None
+                and self.locality.looked_up != self._looked_up)
+
+    def _keep(self, bref: BlockRef) -> str | None:
+        """``KeepFor``: the node that holds most of ``bref``'s data, while the block has
+        waited less than the locality delay since this leader found it claimable."""
+        loc = self.locality
+        if loc is None:
+            return None
+        since = self._open_since.get(bref)
+        if since is None:
+            since = self._open_since[bref] = self._now
+            heapq.heappush(self._keep_until, (since + loc.delay_s, bref))
+            self.wake_at(since + loc.delay_s)
+        if self._now - since >= loc.delay_s:
+            return None
+        keeper = loc.holder(self.agent.view, bref.task(0))
+        if keeper == "":
+            self.wake_at(self._now + LOOKUP_POLL_S)
+        return keeper
+
+    def _wait(self, view: MeshView, bref: BlockRef) -> None:
+        """``bref`` is claimable and offered to no node: it waits, for any node or for
+        the one that holds its data."""
+        keeper = (self._keeps(bref) if self._keeps is not None and _has_inputs(view, bref)
+                  else None)
+        if keeper is None:
+            self._waiting[bref] = None
+        else:
+            self._kept.setdefault(keeper, {})[bref] = None
+            self._kept_by[bref] = keeper
+
+    def _unwait(self, bref: BlockRef) -> None:
+        self._waiting.pop(bref, None)
+        keeper = self._kept_by.pop(bref, None)
+        if keeper is not None:
+            bucket = self._kept[keeper]
+            del bucket[bref]
+            if not bucket:
+                del self._kept[keeper]
+
+    def _review_kept(self, view: MeshView) -> None:
+        """Blocks whose keeping ended wait for any node; those kept for no node while
+        their data was looked up are placed again once answers came."""
+        due: list[BlockRef] = []
+        while self._keep_until and self._keep_until[0][0] <= self._now:
+            bref = heapq.heappop(self._keep_until)[1]
+            if bref in self._kept_by:
+                due.append(bref)
+        if self.locality is not None and self.locality.looked_up != self._looked_up:
+            self._looked_up = self.locality.looked_up
+            due.extend(self._kept.get("", ()))
+        for bref in due:
+            self._unwait(bref)
+            if claimable(view, bref) and _live(view, bref):
+                self._wait(view, bref)
 
     def _plan_whole(self, view: MeshView, now: float) -> dict[str, tuple[BlockRef, ...]]:
         if now >= self._rescan_at:
@@ -268,14 +406,24 @@ class Offers:
             self._rescan_at = now + RESCAN_S
         view.offer_blocks, self._epoch = set(), view.offer_epoch
         stale = {b for b, (_, since) in self._since.items() if now - since >= RESCAN_S}
+        if self.locality is not None:
+            self._looked_up = self.locality.looked_up
         wanted = plan_offers(view, self._cursors, current=self._written, stale=stale,
-                             free_gpus=self.free_gpus)
+                             free_gpus=self.free_gpus, keep_for=self._keeps)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
         self._since = {b: v for b, v in self._since.items() if b in self._offered_to}
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
         self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
-        self._waiting = dict.fromkeys(b for b in _candidates(view, dict(self._cursors))
-                                      if b not in self._offered_to)
+        self._waiting, self._kept, self._kept_by = {}, {}, {}
+        for bref in _candidates(view, dict(self._cursors)):
+            if bref not in self._offered_to:
+                self._wait(view, bref)
+        if self.locality is not None:
+            live = self._offered_to.keys() | self._kept_by.keys() | self._waiting.keys()
+            self._open_since = {b: t for b, t in self._open_since.items() if b in live}
+            self._keep_until = [(t, b) for t, b in self._keep_until if b in self._kept_by]
+            heapq.heapify(self._keep_until)
+            self.locality.forget({b.task(0) for b in self._open_since})
         return wanted
 
     def _plan_changes(
@@ -286,20 +434,27 @@ class Offers:
             node = self._offered_to.get(bref)
             rec = view.nodes.get(node) if node is not None else None
             if node is None:
-                if claimable(view, bref) and _live(view, bref):
-                    self._waiting[bref] = None
-                else:
-                    self._waiting.pop(bref, None)
+                waits = bref in self._waiting or bref in self._kept_by
+                if not (claimable(view, bref) and _live(view, bref)):
+                    self._unwait(bref)
+                elif not waits:
+                    self._wait(view, bref)
             elif rec is None or not (claimable(view, bref) and self._open(bref, rec)):
                 del self._offered_to[bref]
                 if claimable(view, bref) and _live(view, bref):
-                    self._waiting[bref] = None  # open still, to another node
+                    self._wait(view, bref)  # open still, to another node
                 blocks = changed.setdefault(node, list(self._written.get(node) or ()))
                 if bref in blocks:
                     blocks.remove(bref)
                 self._short[node] = None
                 self._full.pop(node, None)
+        self._review_kept(view)
         filled = False  # a node was filled to OFFER_AHEAD: a donor for any node with nothing
+        for node in [n for n in self._kept if n in self._short]:
+            blocks = changed.get(node, list(self._written.get(node) or ()))
+            self._fill(view, node, blocks)
+            changed[node] = blocks
+            filled = filled or len(blocks) >= OFFER_AHEAD
         if self._waiting:
             for node in list(self._short):
                 blocks = changed.get(node, list(self._written.get(node) or ()))
@@ -348,15 +503,16 @@ class Offers:
             return
         taken: list[BlockRef] = []
         gone: list[BlockRef] = []
-        for bref in self._waiting:
-            if len(blocks) + len(taken) >= OFFER_AHEAD:
-                break
-            if not (claimable(view, bref) and _live(view, bref)):
-                gone.append(bref)
-            elif self._open(bref, rec):
-                taken.append(bref)
+        for waiting in (self._kept.get(node, {}), self._waiting):  # its data's blocks first
+            for bref in waiting:
+                if len(blocks) + len(taken) >= OFFER_AHEAD:
+                    break
+                if not (claimable(view, bref) and _live(view, bref)):
+                    gone.append(bref)
+                elif self._open(bref, rec):
+                    taken.append(bref)
         for bref in gone + taken:
-            del self._waiting[bref]
+            self._unwait(bref)
         for bref in taken:
             self._offered_to[bref] = node
         blocks += taken

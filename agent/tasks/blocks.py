@@ -28,7 +28,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hypermesh.agent.claims.placement import LOOKAHEAD
 from hypermesh.errors import EtcdUnavailable
+from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.block_txns import (
     block_view,
     claim_block,
@@ -44,6 +46,7 @@ from hypermesh.state.records import COUNTED_REASONS, LOST_REASONS, TERMINAL, Nod
 from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
+    from hypermesh.agent.claims.placement import Placement
     from hypermesh.agent.claims.unsure import UnsureClaims
     from hypermesh.agent.tasks.running import Running
     from hypermesh.config import AgentConfig
@@ -97,6 +100,7 @@ class HeldBlock:
 def choose_block(
     view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None,
     held_back: Collection[tuple[str, str]] = (), cursors: dict[tuple[str, str], int] | None = None,
+    placement: Placement | None = None,
 ) -> BlockRef | None:
     """A block this node may claim: nobody holds it and it has a task without a result
     or claim. Oldest workflow first, experiments in dependency order, blocks in order;
@@ -107,7 +111,10 @@ def choose_block(
     when the experiment has no other: the node it is offered to would find it gone.
     ``cursors`` (``MeshView.open_blocks``) lets a call skip the finished blocks an
     earlier one passed: on a large mesh an experiment may have tens of thousands of
-    one-task blocks."""
+    one-task blocks. With ``placement``, the one-task blocks of an experiment with
+    ``inputs`` (a large mesh) are placed as its tasks would be on a small one: first
+    those whose data this node holds, none that a node holding more of it should take
+    first (for the locality delay; ``agent/claims/placement.py``)."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
     offered = _offered_elsewhere(view, node.name)
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
@@ -118,8 +125,11 @@ def choose_block(
                 continue
             if view.experiment_cancelled(wf.id, name) or (wf.id, name) in held_back:
                 continue
-            if not allowed_on(wf.recipe.experiment(name), node):
+            exp = wf.recipe.experiment(name)
+            if not allowed_on(exp, node):
                 continue
+            placed = placement is not None and bool(exp.inputs)
+            want = LOOKAHEAD if placed else spread
             candidates: list[BlockRef] = []
             fallback: BlockRef | None = None
             for bref in view.open_blocks(wf.id, name, cursors):
@@ -128,13 +138,30 @@ def choose_block(
                         fallback = fallback or bref
                         continue
                     candidates.append(bref)
-                    if len(candidates) >= spread:
+                    if len(candidates) >= want:
                         break
+            if placed:  # and a block offered to another node is left to it
+                assert placement is not None
+                candidates, fallback = _placed(placement, wf.id, exp, candidates, spread), None
             if candidates:
                 return rng.choice(candidates) if rng is not None else candidates[0]
             if fallback is not None:
                 return fallback
     return None
+
+
+def _placed(placement: Placement, wid: str, exp: Experiment, candidates: list[BlockRef],
+            spread: int) -> list[BlockRef]:
+    """The one-task blocks among ``candidates`` to choose from by where their data is:
+    the one whose data this node holds most of, else the first ``spread`` that no node
+    holding more of their data should take first."""
+    if not candidates:
+        return []
+    by_first = {b.first: b for b in candidates}
+    preferred, neutral = placement.split(wid, exp, set(by_first))
+    if preferred:
+        return [by_first[preferred[0]]]
+    return [by_first[i] for i in sorted(neutral)[:spread]]
 
 
 def _offered_elsewhere(view: MeshView, node: str) -> set[BlockRef]:

@@ -3,7 +3,8 @@
 Per-task keys cost about six etcd changes per task, each delivered to every agent's
 mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
 An experiment that qualifies (``why_not_batched``, a rule of the recipe language in
-``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs too: ``block_size``)
+``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs or has ``inputs``
+too: ``block_size``)
 is therefore written as *blocks* of up to ``MAX_BLOCK`` consecutive tasks (``block/``
 keys). A node claims a whole block (``bclaim/``, on its lease) in one transaction, runs
 its tasks in its own slots, and records their attempts
@@ -53,12 +54,11 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     slots, or None for per-task keys: the recipe's ``batch`` if set (``batch: 1`` is
     per-task keys), else about ``count / (4 * slots)``, at most ``MAX_BLOCK``; below 2
     per-task keys on a small mesh, and on a mesh of ``LARGE_MESH_SLOTS`` blocks of 2 with
-    2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs,
-    and for nothing else that keeps per-task keys, runs in one-task blocks too: its
-    holder books the GPUs as the task starts (``agent/claims/claimer.py``), and a block of
-    one never keeps a task waiting behind another for its GPU."""
+    2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs
+    or has ``inputs``, and for nothing else that keeps per-task keys, runs in one-task
+    blocks too (``placed_per_block``)."""
     if why_not_batched(exp) is not None:
-        return 1 if mesh_slots >= LARGE_MESH_SLOTS and gpus_alone_keep_it_per_task(exp) else None
+        return 1 if mesh_slots >= LARGE_MESH_SLOTS and placed_per_block(exp) else None
     if exp.batch is not None:
         return exp.batch if exp.batch > 1 else None
     size = min(MAX_BLOCK, count // (TASKS_PER_SLOT * max(1, mesh_slots)))
@@ -69,13 +69,20 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     return None
 
 
-def gpus_alone_keep_it_per_task(exp: Experiment) -> bool:
-    """Whether asking for GPUs is all that keeps ``exp`` from blocks (``why_not_batched``),
-    and no ``batch: 1`` asks for per-task keys."""
-    if not exp.hardware.gpus or exp.batch == 1:
+def placed_per_block(exp: Experiment) -> bool:
+    """Whether what keeps ``exp`` from blocks (``why_not_batched``) is only what a
+    one-task block can decide too, and no ``batch: 1`` asks for per-task keys:
+
+    - GPUs: the holder books them as the task starts (``agent/claims/claimer.py``), and
+      the leader offers GPU blocks where gossip says a GPU is free;
+    - ``inputs``: the leader offers the block to the node that holds most of its data,
+      and keeps it for that node for the locality delay (``agent/leader/offers.py``).
+    """
+    if not (exp.hardware.gpus or exp.inputs) or exp.batch == 1:
         return False
-    cpu_only = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0))
-    return why_not_batched(cpu_only) is None
+    bare = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0),
+                   inputs=())
+    return why_not_batched(bare) is None
 
 
 # ---------------------------------------------------------------- batch values

@@ -12,11 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hypermesh.chunkfs.pack import put_dataset
 from hypermesh.chunkfs.store import S3Store
 from hypermesh.local.agents import AgentProcess
 from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
+from tests.tasks.test_blocks_mesh import assert_written_in_blocks
 
 MIB = 1 << 20
 DELAY_S = 2.0
@@ -46,10 +49,12 @@ def _shards(store: S3Store, tmp_path: Path) -> None:
     put_dataset(store, src, "shards", chunk_size=4 * MIB)
 
 
-def _start(mesh: Mesh, store_url: str) -> tuple[AgentProcess, AgentProcess]:
-    extra = ("--store", store_url, "--cache-size", "64MiB", "--locality-delay", str(DELAY_S))
-    one = mesh.agent("node1", slots=1, extra=(*extra, "--pool", "p1"))
-    two = mesh.agent("node2", slots=1, extra=(*extra, "--pool", "p2"))
+def _start(mesh: Mesh, store_url: str, slots: int = 1,
+           more: tuple[str, ...] = ()) -> tuple[AgentProcess, AgentProcess]:
+    extra = ("--store", store_url, "--cache-size", "64MiB", "--locality-delay", str(DELAY_S),
+             *more)
+    one = mesh.agent("node1", slots=slots, extra=(*extra, "--pool", "p1"))
+    two = mesh.agent("node2", slots=slots, extra=(*extra, "--pool", "p2"))
     return one, two
 
 
@@ -74,16 +79,9 @@ def _tasks(mesh: Mesh, wid: str) -> list[dict[str, Any]]:
     return sorted(mesh.hm_json("tasks", wid), key=lambda t: t["index"])
 
 
-def test_second_round_tasks_land_on_the_node_holding_their_shard(
-    mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path
-) -> None:
-    _shards(store, tmp_path)
-    _start(mesh, store_url)
-    _first_round(mesh)
-    # Shard 1 first in index order, four tasks per shard: claiming by index alone
-    # would put shard 1 on whichever node asked first (a chance layout is 1 in 70).
-    round2 = mesh.write_recipe(
-        """
+# Shard 1 first in index order, four tasks per shard: claiming by index alone would put
+# shard 1 on whichever node asked first (a chance layout is 1 in 70).
+ROUND_2 = """
 experiments:
   e:
     data: {shards: shards}
@@ -94,14 +92,40 @@ experiments:
     command:
       - cat "$HM_DATA_SHARDS"/shard-{{shard}}/* > /dev/null
       - sleep 0.3
-""",
-        "round2.yaml",
-    )
-    wid = mesh.submit(round2)
+"""
+
+
+def _second_round(mesh: Mesh) -> str:
+    """Each shard's tasks run on the node that holds it; the workflow's id."""
+    wid = mesh.submit(mesh.write_recipe(ROUND_2, "round2.yaml"))
     assert mesh.wait_state(wid, {"succeeded", "failed"}, 90)["state"] == "succeeded"
     placed = [(t["params"]["shard"], t["node"]) for t in _tasks(mesh, wid)]
     assert len(placed) == 8
     assert all(node == ("node1" if shard == 0 else "node2") for shard, node in placed), placed
+    return wid
+
+
+def test_second_round_tasks_land_on_the_node_holding_their_shard(
+    mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path
+) -> None:
+    _shards(store, tmp_path)
+    _start(mesh, store_url)
+    _first_round(mesh)
+    _second_round(mesh)
+
+
+@pytest.mark.parametrize("watch", ["all", "own"])
+def test_on_a_large_mesh_one_task_blocks_land_on_the_node_holding_their_shard(
+    mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path, watch: str
+) -> None:
+    # Two nodes of 32 slots: a mesh of 64 slots, where experiments with inputs run in
+    # one-task blocks. Nodes that watch everything choose them by their data; the
+    # leader offers them to nodes that watch their own part by the same rule.
+    _shards(store, tmp_path)
+    _start(mesh, store_url, slots=32, more=("--watch", watch))
+    _first_round(mesh)
+    wid = _second_round(mesh)
+    assert_written_in_blocks(mesh, wid, 8)
 
 
 def test_a_task_whose_holder_is_busy_runs_elsewhere_after_the_delay(

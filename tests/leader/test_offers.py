@@ -5,6 +5,7 @@ no node short while a block waits). Pure: a view fed key by key, no etcd."""
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -12,7 +13,7 @@ import pytest
 
 from hypermesh.agent.leader.offers import OFFER_AHEAD, RESCAN_S, Offers, claimable
 from hypermesh.state.blocks import Batch, ResultEntry
-from hypermesh.state.keyspace import BlockRef
+from hypermesh.state.keyspace import BlockRef, TaskRef
 from hypermesh.state.records import NodeRecord
 from tests.state.test_model import Feed
 from tests.state.test_own_watch import offer, offered_feed
@@ -232,3 +233,51 @@ def check(feed: Feed, written: dict[str, tuple[BlockRef, ...]]) -> None:
         assert not spare, (written, spare)
     counts = {len(written.get(n, ())) for n in takers}
     assert not {0, OFFER_AHEAD} <= counts, written  # nothing for one, two for another
+
+
+class FakeLocality:
+    """Who holds each task's data (by index), as ``Locality.holder`` would say."""
+
+    def __init__(self, holders: dict[int, str | None]) -> None:
+        self.delay_s = 3.0
+        self.looked_up = 0
+        self.holders = holders
+        self.forgotten: set[int] = set()
+
+    def holder(self, view: object, ref: TaskRef) -> str | None:
+        return self.holders.get(ref.index)
+
+    def forget(self, keep: Collection[TaskRef]) -> None:
+        self.forgotten = {r.index for r in keep}
+
+
+def test_a_block_is_kept_for_the_node_that_holds_its_data_for_the_locality_delay() -> None:
+    # One-task blocks of an experiment with inputs (a large mesh). b0-b2 and b6 are n1's
+    # data, b3 n2's; b4's inputs are still being looked up; b5's data nobody holds.
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 7\n    data: {s: s}\n"
+                                       "    inputs: 's/shard-{{task_index}}'"),
+                  state="running")
+    for name in ("n1", "n2", "n3"):
+        feed.put(feed.ks.node(name), NodeRecord(name, "a:1", offers=True).to_json())
+    b = [feed_block(feed, "w", first, 1) for first in range(7)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 7})
+    locality = FakeLocality({0: "n1", 1: "n1", 2: "n1", 3: "n2", 4: "", 5: None, 6: "n1"})
+    wakes: list[float] = []
+    offers = offers_of(feed)
+    offers.locality = locality
+    offers.wake_at = wakes.append
+    # n3 holds none of it: it gets b5 (nobody's), shared from n2, and nothing n1 holds.
+    assert offers.changes(0.0) == [("n1", (b[0], b[1])), ("n2", (b[3],)), ("n3", (b[5],))]
+    assert 3.0 in wakes  # a round when the first keeping ends
+    assert locality.forgotten == {0, 1, 2, 3, 4, 5, 6}
+    # n1 claims b0: its offer takes the next block it holds, not one waiting for anyone.
+    claim(feed, b[0], "n1")
+    assert offers.changes(1.0) == [("n1", (b[1], b[2]))]
+    # b4's inputs were looked up: n3 holds them.
+    locality.holders[4] = "n3"
+    locality.looked_up += 1
+    assert offers.changes(1.1) == [("n3", (b[5], b[4]))]
+    assert offers.changes(2.0) == []  # nothing changed, no keeping ended
+    # b6 has waited 3 s for n1, which is busy: any node may take it now.
+    assert offers.changes(3.0) == [("n2", (b[3], b[6]))]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
+from hypermesh.agent.claims.placement import Placement
 from hypermesh.agent.tasks.blocks import FLUSH_MAX_S, FLUSH_S, choose_block, flush_window
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.recipe.recipe import parse_recipe, why_not_batched
@@ -66,6 +67,9 @@ def test_block_size(batch: str | None, count: int, slots: int, size: int | None)
     assert block_size(exp, count, slots) == size
 
 
+INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
+
+
 @pytest.mark.parametrize(
     ("extra", "count", "slots", "size"),
     [
@@ -76,9 +80,14 @@ def test_block_size(batch: str | None, count: int, slots: int, size: int | None)
         ("hardware: {gpus: 1}\nbatch: 1", 100, 64, None),  # the recipe's choice
         ("hardware: {gpus: 1}\nworkers: 2", 100, 64, None),  # GPUs are not all it asks
         ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, None),
+        (INPUTS, 100, 16, None),  # inputs: per-task keys on a small mesh
+        (INPUTS, 100_000, 64, 1),  # one-task blocks on a large one, placed by the leader
+        (f"{INPUTS}\nhardware: {{gpus: 1}}", 100, 64, 1),
+        (f"{INPUTS}\nbatch: 1", 100, 64, None),
+        (f"{INPUTS}\nworkers: 2", 100, 64, None),
     ],
 )
-def test_gpu_experiments_run_in_one_task_blocks_on_a_large_mesh(
+def test_gpu_and_input_experiments_run_in_one_task_blocks_on_a_large_mesh(
     extra: str, count: int, slots: int, size: int | None
 ) -> None:
     exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
@@ -221,6 +230,46 @@ def test_choose_block_skips_held_claimed_and_finished_blocks() -> None:
     feed.put(feed.ks.experiment_control("w", "e"), {"cancelled": True})
     assert choose_block(feed.view, me, set()) is None
     assert choose_block(MeshView(feed.ks), NodeRecord("n1", "a:1"), set()) is None
+
+
+class Chunks:
+    """``ChunkLocator``: chunk ``c<i>`` (task i's input) is held by ``holders[i]``."""
+
+    def __init__(self, me: str, holders: dict[int, str]) -> None:
+        self.me, self.by_chunk = me, {f"c{i}": node for i, node in holders.items()}
+
+    def local(self, chunk: str) -> bool:
+        return self.by_chunk.get(chunk) == self.me
+
+    def holders(self, chunk: str) -> frozenset[str]:
+        return frozenset([self.by_chunk[chunk]]) if chunk in self.by_chunk else frozenset()
+
+
+def test_choose_block_places_one_task_blocks_of_input_experiments_by_their_data() -> None:
+    # n1 chooses blocks itself on a large mesh: b2's data it holds, b0's n2 holds.
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 4\n    " + INPUTS.replace(
+        "\n", "\n    ")), state="running")
+    feed.node("n1", slots=2)
+    feed.node("n2", slots=2)
+    b = [feed_block(feed, "w", first, 1) for first in range(4)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 4})
+    me, view = feed.view.nodes["n1"], feed.view
+    since: dict[TaskRef, float] = {}
+
+    def placement(now: float) -> Placement:
+        return Placement("n1", Chunks("n1", {0: "n2", 2: "n1"}),
+                         lambda ref: {f"c{ref.index}": 100}, dict(view.nodes), now, since,
+                         delay_s=3.0)
+
+    assert choose_block(view, me, set(), placement=placement(0.0)) == b[2]  # its own data
+    feed.put(feed.ks.block_claim(b[2]), {"node": "n1", "lease": 1})
+    first = placement(1.0)
+    assert choose_block(view, me, set(), placement=first) == b[1]  # b0 is left to n2
+    assert first.deferred == {TaskRef("w", "e", 0): "n2"}
+    assert choose_block(view, me, set(), placement=placement(3.0)) == b[0]  # 3 s later
+    # Without a placement (a node that does not place by locality), the first block.
+    assert choose_block(view, me, set()) == b[0]
 
 
 def test_choose_block_cursors_skip_the_finished_blocks_at_the_start_only() -> None:
