@@ -2,7 +2,8 @@
 peer sharing and locality-aware claims.
 
 One run (per mode, per round) starts a fresh local mesh — etcd, a SeaweedFS S3
-server and ``--agents`` agents with one slot each and a chunk cache of
+server and ``--agents`` agents with ``--slots`` slots each (default one; from 64 slots in
+all, an experiment with ``inputs`` runs in one-task blocks) and a chunk cache of
 ``--cache-shards`` shards per mount — and puts a data set of ``--shards`` shards
 (``--shard-mib`` MiB each, two files per shard, ``--chunk-mib`` MiB chunks): larger
 than any one node's cache, smaller than all of them together. Then two epochs, each a
@@ -29,7 +30,7 @@ shard. The bars of issue 6: epoch 1 <= 1.05x, epoch 2 <= 0.05x with sharing and
 locality on. It prints medians over ``--rounds``; it asserts nothing. Everything it
 starts is stopped before it returns.
 
-    .venv/bin/python scripts/bench_locality.py [--agents 4] [--shards 4]
+    .venv/bin/python scripts/bench_locality.py [--agents 4] [--slots 1] [--watch auto] [--shards 4]
         [--shard-mib 64] [--chunk-mib 16] [--cache-shards 1.5] [--readers 1] [--rounds 1]
         [--modes on,off] [--json]
 """
@@ -89,6 +90,7 @@ class Epoch:
     store_bytes: int
     wall_s: float
     placement: dict[int, list[str]]
+    keys: str  # how the tasks were written: "blocks" or "per task"
 
 
 @dataclass(frozen=True)
@@ -154,13 +156,18 @@ def epoch(mesh: LocalMesh, recipe: Path) -> Epoch:
     placement: dict[int, list[str]] = {}
     for t in sorted(tasks, key=lambda t: t["index"]):
         placement.setdefault(int(t["params"]["shard"]), []).append(t["node"])
-    return Epoch(store_bytes(mesh) - before, wall, dict(sorted(placement.items())))
+    blocks = mesh.etcd.etcdctl("get", "--prefix", "--count-only", "--write-out", "fields",
+                               f"/hypermesh/{mesh.namespace}/block/{wid}/")
+    count = next(int(line.split(":")[1]) for line in blocks.stdout.splitlines()
+                 if line.startswith('"Count"'))
+    return Epoch(store_bytes(mesh) - before, wall, dict(sorted(placement.items())),
+                 "blocks" if count else "per task")
 
 
 def run_once(args: argparse.Namespace, mode: str, root: Path) -> Run:
     cache = f"{int(args.cache_shards * args.shard_mib)}MiB"
-    agent_args = ["--cache-size", cache, *MODES[mode]]
-    with LocalMesh(root, agents=args.agents, slots=1, s3=True, fsync=False,
+    agent_args = ["--cache-size", cache, "--watch", args.watch, *MODES[mode]]
+    with LocalMesh(root, agents=args.agents, slots=args.slots, s3=True, fsync=False,
                    agent_args=agent_args) as mesh:
         size = make_shards(root / "data", args.shards, args.shard_mib)
         hm(mesh, "data", "put", str(root / "data"), "shards", "--chunk-size",
@@ -178,6 +185,11 @@ def run_once(args: argparse.Namespace, mode: str, root: Path) -> Run:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=1,
+                        help="slots per agent; from 64 in all, tasks with inputs run in "
+                        "one-task blocks the leader offers by their data [1]")
+    parser.add_argument("--watch", choices=("all", "own", "auto"), default="auto",
+                        help="the agents' --watch [auto]")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-mib", type=int, default=64)
     parser.add_argument("--chunk-mib", type=int, default=16)
@@ -190,8 +202,10 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
-    if min(args.agents, args.shards, args.readers, args.rounds) < 1 or args.cache_shards <= 0:
-        parser.error("--agents, --shards, --readers, --rounds, --cache-shards must be positive")
+    counts = (args.agents, args.slots, args.shards, args.readers, args.rounds)
+    if min(counts) < 1 or args.cache_shards <= 0:
+        parser.error("--agents, --slots, --shards, --readers, --rounds, --cache-shards "
+                     "must be positive")
     runs: list[Run] = []
     for r in range(args.rounds):
         for mode in modes:  # alternate, so that both modes see the same noise
@@ -201,7 +215,7 @@ def main() -> None:
             print(f"round {r + 1} {mode}: epoch 1 {run.ratio(0):.3f}x "
                   f"{run.epochs[0].wall_s:.1f}s {run.epochs[0].placement}; epoch 2 "
                   f"{run.ratio(1):.3f}x {run.epochs[1].wall_s:.1f}s "
-                  f"{run.epochs[1].placement}", file=sys.stderr)
+                  f"{run.epochs[1].placement} ({run.epochs[1].keys})", file=sys.stderr)
     summary: dict[str, Any] = {"config": vars(args), "modes": {}}
     for mode in modes:
         mine = [r for r in runs if r.mode == mode]

@@ -352,11 +352,7 @@ class Offers:
         loc = self.locality
         if loc is None:
             return None
-        since = self._open_since.get(bref)
-        if since is None:
-            since = self._open_since[bref] = self._now
-            heapq.heappush(self._keep_until, (since + loc.delay_s, bref))
-            self.wake_at(since + loc.delay_s)
+        since = self._open_since.setdefault(bref, self._now)
         if self._now - since >= loc.delay_s:
             return None
         keeper = loc.holder(self.agent.view, bref.task(0))
@@ -371,9 +367,13 @@ class Offers:
                   else None)
         if keeper is None:
             self._waiting[bref] = None
-        else:
-            self._kept.setdefault(keeper, {})[bref] = None
-            self._kept_by[bref] = keeper
+            return
+        self._kept.setdefault(keeper, {})[bref] = None
+        self._kept_by[bref] = keeper
+        assert self.locality is not None
+        ends = self._open_since[bref] + self.locality.delay_s
+        heapq.heappush(self._keep_until, (ends, bref))
+        self.wake_at(ends)
 
     def _unwait(self, bref: BlockRef) -> None:
         self._waiting.pop(bref, None)
@@ -418,6 +418,10 @@ class Offers:
         for bref in _candidates(view, dict(self._cursors)):
             if bref not in self._offered_to:
                 self._wait(view, bref)
+        if self._kept:  # a node that gave its last block to a node with nothing (_share)
+            changed = {name: list(blocks) for name, blocks in wanted.items()}
+            self._fill_kept(view, changed)
+            wanted = {name: tuple(blocks) for name, blocks in changed.items()}
         if self.locality is not None:
             live = self._offered_to.keys() | self._kept_by.keys() | self._waiting.keys()
             self._open_since = {b: t for b, t in self._open_since.items() if b in live}
@@ -449,12 +453,7 @@ class Offers:
                 self._short[node] = None
                 self._full.pop(node, None)
         self._review_kept(view)
-        filled = False  # a node was filled to OFFER_AHEAD: a donor for any node with nothing
-        for node in [n for n in self._kept if n in self._short]:
-            blocks = changed.get(node, list(self._written.get(node) or ()))
-            self._fill(view, node, blocks)
-            changed[node] = blocks
-            filled = filled or len(blocks) >= OFFER_AHEAD
+        filled = self._fill_kept(view, changed)  # a donor for any node with nothing
         if self._waiting:
             for node in list(self._short):
                 blocks = changed.get(node, list(self._written.get(node) or ()))
@@ -465,7 +464,19 @@ class Offers:
                     break
         if not self._waiting:
             self._share(view, changed, filled)
+            self._fill_kept(view, changed)  # a donor may have blocks kept for it
         return {name: tuple(blocks) for name, blocks in changed.items()}
+
+    def _fill_kept(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> bool:
+        """Nodes short of offers take the blocks kept for them; whether one was filled
+        to ``OFFER_AHEAD``."""
+        filled = False
+        for node in [n for n in self._kept if n in self._short]:
+            blocks = changed.get(node, list(self._written.get(node) or ()))
+            self._fill(view, node, blocks)
+            changed[node] = blocks
+            filled = filled or len(blocks) >= OFFER_AHEAD
+        return filled
 
     def _share(self, view: MeshView, changed: dict[str, list[BlockRef]], filled: bool) -> None:
         """What a whole plan does (``_share``), between whole plans: a node left with

@@ -281,3 +281,77 @@ def test_a_block_is_kept_for_the_node_that_holds_its_data_for_the_locality_delay
     assert offers.changes(2.0) == []  # nothing changed, no keeping ended
     # b6 has waited 3 s for n1, which is busy: any node may take it now.
     assert offers.changes(3.0) == [("n2", (b[3], b[6]))]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_changes_keep_blocks_for_their_data_and_no_node_short_while_others_wait(
+    seed: int,
+) -> None:
+    # As above, with every task's data held by a node (or by none, or being looked up)
+    # and a clock that lets keepings end: a block is offered only to the node it is kept
+    # for while kept, and a node is short only while every block left is kept for another.
+    rng = random.Random(seed)
+    names = [f"n{i}" for i in range(6)]
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 60\n    data: {s: s}\n"
+                                       "    inputs: 's/shard-{{task_index}}'"),
+                  state="running")
+    for name in names:
+        feed.put(feed.ks.node(name), NodeRecord(name, "a:1", offers=True).to_json())
+    b = [feed_block(feed, "w", first, 2) for first in range(0, 60, 2)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 60})
+    locality = FakeLocality({x.first: rng.choice([*names, "elsewhere", None, ""]) for x in b})
+    offers = offers_of(feed)
+    offers.locality = locality
+    written: dict[str, tuple[BlockRef, ...]] = {}
+    for step in range(400):
+        now = step * 0.05  # 20 s: keepings (3 s) end, whole plans (5 s) come
+        roll = rng.random()
+        if roll < 0.4:  # a node claims an offered block
+            offered = [(n, x) for n, blocks in written.items() for x in blocks]
+            if offered:
+                node, pick = rng.choice(offered)
+                claim(feed, pick, node)
+        elif roll < 0.7:  # a held block ends, or is released unfinished
+            held = sorted(feed.view.block_claims)
+            if held:
+                pick = rng.choice(held)
+                if rng.random() < 0.7:
+                    finish(feed, pick, "x")
+                else:
+                    feed.delete(feed.ks.block_claim(pick))
+        elif roll < 0.75:  # a lookup ends
+            waiting = [i for i, h in locality.holders.items() if h == ""]
+            if waiting:
+                locality.holders[rng.choice(waiting)] = rng.choice(names)
+                locality.looked_up += 1
+        for name, blocks in offers.changes(now):
+            written[name] = blocks or ()
+        check_kept(feed, offers, locality, written, now)
+
+
+def check_kept(feed: Feed, offers: Offers, locality: FakeLocality,
+               written: dict[str, tuple[BlockRef, ...]], now: float) -> None:
+    view = feed.view
+    offered = [x for blocks in written.values() for x in blocks]
+    assert len(offered) == len(set(offered)), written
+
+    def kept_for(x: BlockRef) -> str | None:
+        since = offers._open_since.get(x, now)
+        return locality.holders[x.first] if now - since < locality.delay_s else None
+
+    for name, blocks in written.items():
+        assert len(blocks) <= OFFER_AHEAD
+        for x in blocks:
+            assert claimable(view, x), (name, x)
+            assert kept_for(x) in (None, name), (name, x, kept_for(x))
+    spare = [BlockRef("w", "e", first) for first in view.block_firsts("w", "e")]
+    spare = [x for x in spare if claimable(view, x) and x not in offered]
+    for name in names_short(view, written):
+        bad = [(x.first, kept_for(x)) for x in spare if kept_for(x) in (None, name)]
+        assert not bad, (name, bad, offers._kept_by.get(bad[0] and spare[0]), written)
+
+
+def names_short(view: Any, written: dict[str, tuple[BlockRef, ...]]) -> list[str]:
+    return [n for n, rec in view.nodes.items()
+            if rec.offers and rec.state == "alive" and len(written.get(n, ())) < OFFER_AHEAD]
