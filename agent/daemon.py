@@ -235,6 +235,8 @@ class Agent:
         self.leader_duty = LeaderDuty(self)
         self.leader_duty.offers.free_gpus = self.gossip.free_gpus  # GPU work: where one is free
         self.leader_duty.offers.locality = self.locality  # inputs: where the data is
+        self.leader_duty.offers.pool_delay = cfg.pool_delay  # prefer_pools: their nodes first
+        self.leader_duty.offers.alive = self.gossip.alive
         self.campaign = Campaign(self)
         self.scheduler = Scheduler(self)
         self._tasks: list[asyncio.Task[Any]] = []

@@ -246,6 +246,14 @@ def with_task_inputs(recipe: str, inputs: bool) -> str:
     return f"{head}    data: {{d: d}}\n    inputs: 'd/part-{{{{task_index}}}}'\n{sep}{tail}"
 
 
+def with_prefer_pools(recipe: str, pools: str | None) -> str:
+    """``recipe`` (``recipe_text``'s) preferring ``pools`` (prefer_pools), when given."""
+    if not pools:
+        return recipe
+    head, sep, tail = recipe.partition("    command:")
+    return f"{head}    prefer_pools: [{pools}]\n{sep}{tail}"
+
+
 def with_task_gpus(recipe: str, gpus: float) -> str:
     """``recipe`` (``recipe_text``'s) with each task asking for ``gpus`` GPUs."""
     if not gpus:
@@ -496,8 +504,9 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
             if code:
                 raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
-        recipe.write_text(with_task_inputs(with_task_gpus(
-            recipe_text(args.tasks, block=args.block), args.task_gpus), args.task_inputs))
+        recipe.write_text(with_prefer_pools(with_task_inputs(with_task_gpus(
+            recipe_text(args.tasks, block=args.block), args.task_gpus), args.task_inputs),
+            args.prefer_pools))
         COUNTERS.attempts.clear()
         EVENTS.take()
         APPLIED.start()
@@ -681,6 +690,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task-inputs", action="store_true",
                    help="each task has a data set input (inputs: placement by locality; no "
                    "member has a store, so nothing is mounted and none holds any of it)")
+    p.add_argument("--prefer-pools", default=None, metavar="POOLS",
+                   help="the tasks prefer these pools (prefer_pools: [POOLS]); the members "
+                   "are of pool default")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,

@@ -33,6 +33,7 @@ from hypermesh.state.txns import ClaimPlan, claim_tasks
 if TYPE_CHECKING:
     from hypermesh.agent.claims.locality import Locality
     from hypermesh.agent.claims.placement import Placement
+    from hypermesh.agent.claims.pool_preference import PoolPreference
     from hypermesh.agent.claims.pool_wait import PoolWait
     from hypermesh.agent.claims.unsure import UnsureClaims
     from hypermesh.agent.gang.duty import GangDuty
@@ -165,12 +166,14 @@ class Claimer:
                     continue
                 if a.view.revision < a.written_revision:
                     return  # the watch will bring what we wrote, or what beat our claim
-                placement = self._block_placement()
+                placement, preference = self._block_placement(me)
                 bref = choose_block(a.view, me, set(blocks.held), self.rng, held_back,
-                                    blocks.cursors(), placement)
+                                    blocks.cursors(), placement, preference)
                 if placement is not None:
                     assert a.locality is not None
                     a.locality.after_round(placement, a.view)
+                if preference is not None:
+                    a.pool_wait.after_round(preference)
                 if bref is None or await blocks.claim(bref, self._refused) is None:
                     return
                 continue
@@ -180,19 +183,22 @@ class Claimer:
             a.attempts.start(Running(ClaimPlan(ref, n), block.fence, gpus, devices,
                                      block=block.ref, started_at=started_at, params=params))
 
-    def _block_placement(self) -> Placement | None:
+    def _block_placement(self, me: NodeRecord) -> tuple[Placement | None,
+                                                       PoolPreference | None]:
         """Where the data of blocks' tasks is, when a live experiment with ``inputs``
-        runs in blocks (on a large mesh) and this node places by locality."""
+        runs in blocks (on a large mesh) and this node places by locality; and the
+        preferred pools' room, when one with ``prefer_pools`` does."""
         a = self.agent
-        if a.locality is None:
-            return None
         view = a.view
+        inputs = prefer = False
         for wf in view.workflows.values():
             if view.workflow_state(wf.id) in TERMINAL:
                 continue
-            if any(exp.inputs and view.batched(wf.id, exp.name) for exp in wf.recipe.experiments):
-                return a.locality.placement(view)
-        return None
+            for exp in wf.recipe.experiments:
+                if (exp.inputs or exp.prefer_pools) and view.batched(wf.id, exp.name):
+                    inputs, prefer = inputs or bool(exp.inputs), prefer or bool(exp.prefer_pools)
+        placement = a.locality.placement(view) if inputs and a.locality is not None else None
+        return placement, a.pool_wait.round(view, me) if prefer else None
 
     def _hardware(self, wid: str, experiment: str) -> Hardware:
         return self.agent.view.workflows[wid].recipe.experiment(experiment).hardware

@@ -35,6 +35,7 @@ import functools
 import heapq
 import itertools
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -44,6 +45,7 @@ from hypermesh.state.records import TERMINAL, NodeRecord, dumps
 
 if TYPE_CHECKING:
     from hypermesh.config import AgentConfig
+    from hypermesh.recipe.recipe import Experiment
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace
     from hypermesh.state.view import MeshView
@@ -102,7 +104,7 @@ def plan_offers(
         for bref in _candidates(view, cursors if cursors is not None else {}):
             if bref in taken:
                 continue
-            keeper = keeps(bref) if keeps is not None and _has_inputs(view, bref) else None
+            keeper = keeps(bref) if keeps is not None and _kept_kind(view, bref) else None
             if keeper is not None:  # only that node may take it: no need to ask the others
                 if keeper in hungry and open_to(bref, nodes[keeper]):
                     plan[keeper].append(bref)
@@ -157,10 +159,12 @@ FreeGpus = Callable[[str], "float | None"]
 """A node's free GPUs by its name, as gossip last said; None when it has said nothing."""
 
 KeepFor = Callable[[BlockRef], "str | None"]
-"""The node a block of an experiment with ``inputs`` is kept for now: the one that holds
-most of its task's data, while the block has waited less than the locality delay; ""
-while its data is still being looked up (kept for no node); None: any node may take it.
-Only blocks of experiments with ``inputs`` are asked about."""
+"""The node a block is kept for now: for an experiment with ``inputs``, the one that holds
+most of its task's data, while the block has waited less than the locality delay (""
+while its data is still being looked up: kept for no node); for one with
+``prefer_pools``, a node of a preferred pool with room, while it has waited less than the
+pool delay; None: any node may take it. Only blocks of experiments with ``inputs`` or
+``prefer_pools`` are asked about (``_kept_kind``)."""
 
 Opener = Callable[[BlockRef, NodeRecord], bool]
 
@@ -173,8 +177,10 @@ def _cached(fn: Callable[[_T], _R] | None) -> Callable[[_T], _R] | None:
     return None if fn is None else functools.lru_cache(maxsize=None)(fn)
 
 
-def _has_inputs(view: MeshView, bref: BlockRef) -> bool:
-    return bool(view.workflows[bref.workflow].recipe.experiment(bref.experiment).inputs)
+def _kept_kind(view: MeshView, bref: BlockRef) -> bool:
+    """Whether ``bref``'s experiment is of a kind whose blocks may be kept for a node."""
+    exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
+    return bool(exp.inputs or exp.prefer_pools)
 
 
 def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
@@ -182,15 +188,15 @@ def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
     """``node`` may run ``bref``: its work is live and allowed there, and when it asks
     for GPUs, ``free_gpus`` (when given) does not say the node has too few free now: GPU
     work goes where a GPU is free, so that a node whose GPUs are busy is offered other
-    work. A block kept for the node that holds its data (``keep_for``) is open to that
-    node only. (A node pulling the experiment's image is offered it too: it claims once
-    the image is there.)"""
+    work. A block kept for a node (``keep_for``: the one that holds its data, or one of
+    a preferred pool) is open to that node only. (A node pulling the experiment's image
+    is offered it too: it claims once the image is there.)"""
     if not _live(view, bref):
         return False
     exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
     if not allowed_on(exp, node):
         return False
-    if exp.inputs and keep_for is not None:
+    if (exp.inputs or exp.prefer_pools) and keep_for is not None:
         keeper = keep_for(bref)
         if keeper is not None and keeper != node.name:
             return False
@@ -297,6 +303,14 @@ class Offers:
         # of an experiment with ``inputs`` is kept for the node that holds most of its
         # data for ``delay_s`` from when this leader first found it claimable.
         self.locality: BlockLocality | None = None
+        # Pools (set by the agent): a block of an experiment with ``prefer_pools`` is
+        # kept for a node of a preferred pool with room for ``pool_delay`` (None: not).
+        self.pool_delay: float | None = None
+        self.alive: Callable[[str], bool] = lambda name: True  # gossip's verdict
+        self._room: dict[str, int] | None = None  # free slots per node, this round
+        self._preferred: dict[tuple[str, str], deque[str]] = {}  # per experiment, this round
+        self._pool_kept: dict[BlockRef, str] = {}  # the node each block was kept for
+        self._keep_ends: dict[BlockRef, float] = {}
         self.wake_at: Callable[[float], None] = lambda when: None  # a round at `when`
         self._now = 0.0
         self._open_since: dict[BlockRef, float] = {}
@@ -313,6 +327,7 @@ class Offers:
         self._cursors.clear()
         self._open_since.clear()
         self._keep_until.clear()
+        self._pool_kept.clear()
         self._epoch = -1
         self.agent.view.offer_blocks = None  # a follower's view need not keep them
 
@@ -329,8 +344,10 @@ class Offers:
         whole plan (every node that chooses from offers: the others' are deleted)."""
         view = self.agent.view
         self._now = now
-        self._keeps = _cached(self._keep) if self.locality is not None else None
+        keeping = self.locality is not None or self.pool_delay is not None
+        self._keeps = _cached(self._keep) if keeping else None
         self._open = _opener(view, self.free_gpus, self._keeps)
+        self._room = None
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
             return self._plan_whole(view, now), True
@@ -347,31 +364,87 @@ class Offers:
                 and self.locality.looked_up != self._looked_up)
 
     def _keep(self, bref: BlockRef) -> str | None:
-        """``KeepFor``: the node that holds most of ``bref``'s data, while the block has
-        waited less than the locality delay since this leader found it claimable."""
-        loc = self.locality
-        if loc is None:
-            return None
+        """``KeepFor``: the node that holds most of ``bref``'s data while the block has
+        waited less than the locality delay since this leader found it claimable, else a
+        node of a preferred pool with room while it has waited less than the pool delay."""
+        view = self.agent.view
+        exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
         since = self._open_since.setdefault(bref, self._now)
-        if self._now - since >= loc.delay_s:
+        waited = self._now - since
+        loc = self.locality
+        if exp.inputs and loc is not None and waited < loc.delay_s:
+            keeper = loc.holder(view, bref.task(0))
+            if keeper == "":
+                self.wake_at(self._now + LOOKUP_POLL_S)
+            if keeper is not None:
+                self._keep_ends[bref] = since + loc.delay_s
+                return keeper
+        if exp.prefer_pools and self.pool_delay is not None and waited < self.pool_delay:
+            keeper = self._pool_kept.get(bref)  # kept once, kept for that node
+            if keeper is None or not self._up(view, keeper):
+                keeper = self._preferred_with_room(view, bref.workflow, exp)
+            if keeper is not None:
+                self._pool_kept[bref] = keeper
+                self._keep_ends[bref] = since + self.pool_delay
+                return keeper
+        return None
+
+    def _up(self, view: MeshView, name: str) -> bool:
+        rec = view.nodes.get(name)
+        return rec is not None and rec.state == "alive" and self.alive(name)
+
+    def _preferred_with_room(self, view: MeshView, wid: str, exp: Experiment) -> str | None:
+        """A node of a pool ``exp`` prefers that may run it and has a slot no claim,
+        offer or kept block takes this round (taking it): the first by name. A node
+        passed over stays passed over this round, so a round costs O(nodes + blocks)."""
+        if self._room is None:
+            self._room, self._preferred = self._free_slots(view), {}
+        names = self._preferred.get((wid, exp.name))
+        if names is None:
+            names = self._preferred[(wid, exp.name)] = deque(sorted(
+                n for n in self._room
+                if view.nodes[n].pool in exp.prefer_pools and allowed_on(exp, view.nodes[n])))
+        while names and self._room[names[0]] <= 0:
+            names.popleft()
+        if not names:
             return None
-        keeper = loc.holder(self.agent.view, bref.task(0))
-        if keeper == "":
-            self.wake_at(self._now + LOOKUP_POLL_S)
-        return keeper
+        self._room[names[0]] -= 1
+        return names[0]
+
+    def _free_slots(self, view: MeshView) -> dict[str, int]:
+        """Free slots per live node: its slots, less the tasks it runs and the claimable
+        blocks kept for it as a node of a preferred pool."""
+        held: Counter[str] = Counter()
+        in_block: Counter[BlockRef] = Counter()
+        for ref, claim in view.claims.items():
+            bref = view.block_of(ref)
+            if bref is None:
+                held[claim.node] += 1
+            else:
+                in_block[bref] += 1
+        for bref, claim in view.block_claims.items():  # one slot at least, before a start
+            held[claim.node] += max(1, in_block[bref])
+        for bref, name in self._pool_kept.items():
+            if claimable(view, bref):
+                held[name] += 1
+        room: dict[str, int] = {}
+        for name, rec in view.nodes.items():
+            if rec.state != "alive" or not self.alive(name):
+                continue
+            room[name] = rec.slots - held[name]
+        return room
 
     def _wait(self, view: MeshView, bref: BlockRef) -> None:
         """``bref`` is claimable and offered to no node: it waits, for any node or for
         the one that holds its data."""
-        keeper = (self._keeps(bref) if self._keeps is not None and _has_inputs(view, bref)
+        keeper = (self._keeps(bref) if self._keeps is not None and _kept_kind(view, bref)
                   else None)
         if keeper is None:
             self._waiting[bref] = None
             return
         self._kept.setdefault(keeper, {})[bref] = None
         self._kept_by[bref] = keeper
-        assert self.locality is not None
-        ends = self._open_since[bref] + self.locality.delay_s
+        ends = self._keep_ends[bref]
         heapq.heappush(self._keep_until, (ends, bref))
         self.wake_at(ends)
 
@@ -408,6 +481,10 @@ class Offers:
         stale = {b for b, (_, since) in self._since.items() if now - since >= RESCAN_S}
         if self.locality is not None:
             self._looked_up = self.locality.looked_up
+        if self._keeps is not None:  # in block order, as room for a preferred pool goes
+            for bref in _candidates(view, dict(self._cursors)):
+                if _kept_kind(view, bref):
+                    self._keeps(bref)
         wanted = plan_offers(view, self._cursors, current=self._written, stale=stale,
                              free_gpus=self.free_gpus, keep_for=self._keeps)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
@@ -422,12 +499,15 @@ class Offers:
             changed = {name: list(blocks) for name, blocks in wanted.items()}
             self._fill_kept(view, changed)
             wanted = {name: tuple(blocks) for name, blocks in changed.items()}
-        if self.locality is not None:
+        if self._keeps is not None:
             live = self._offered_to.keys() | self._kept_by.keys() | self._waiting.keys()
             self._open_since = {b: t for b, t in self._open_since.items() if b in live}
+            self._keep_ends = {b: t for b, t in self._keep_ends.items() if b in live}
+            self._pool_kept = {b: n for b, n in self._pool_kept.items() if b in live}
             self._keep_until = [(t, b) for t, b in self._keep_until if b in self._kept_by]
             heapq.heapify(self._keep_until)
-            self.locality.forget({b.task(0) for b in self._open_since})
+            if self.locality is not None:
+                self.locality.forget({b.task(0) for b in self._open_since})
         return wanted
 
     def _plan_changes(

@@ -47,6 +47,7 @@ from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
     from hypermesh.agent.claims.placement import Placement
+    from hypermesh.agent.claims.pool_preference import PoolPreference
     from hypermesh.agent.claims.unsure import UnsureClaims
     from hypermesh.agent.tasks.running import Running
     from hypermesh.config import AgentConfig
@@ -100,7 +101,7 @@ class HeldBlock:
 def choose_block(
     view: MeshView, node: NodeRecord, held: set[BlockRef], rng: random.Random | None = None,
     held_back: Collection[tuple[str, str]] = (), cursors: dict[tuple[str, str], int] | None = None,
-    placement: Placement | None = None,
+    placement: Placement | None = None, preference: PoolPreference | None = None,
 ) -> BlockRef | None:
     """A block this node may claim: nobody holds it and it has a task without a result
     or claim. Oldest workflow first, experiments in dependency order, blocks in order;
@@ -114,7 +115,10 @@ def choose_block(
     one-task blocks. With ``placement``, the one-task blocks of an experiment with
     ``inputs`` (a large mesh) are placed as its tasks would be on a small one: first
     those whose data this node holds, none that a node holding more of it should take
-    first (for the locality delay; ``agent/claims/placement.py``)."""
+    first (for the locality delay; ``agent/claims/placement.py``). With ``preference``,
+    those of an experiment with ``prefer_pools`` likewise: a node of another pool
+    leaves as many as the preferred pools' nodes have room for to them, for the pool
+    delay (``agent/claims/pool_preference.py``)."""
     spread = max(1, len(view.nodes)) if rng is not None else 1
     offered = _offered_elsewhere(view, node.name)
     for wf in sorted(view.workflows.values(), key=lambda w: (w.submitted_at, w.id)):
@@ -129,7 +133,8 @@ def choose_block(
             if not allowed_on(exp, node):
                 continue
             placed = placement is not None and bool(exp.inputs)
-            want = LOOKAHEAD if placed else spread
+            preferred = preference is not None and bool(exp.prefer_pools)
+            want = LOOKAHEAD if placed or preferred else spread
             candidates: list[BlockRef] = []
             fallback: BlockRef | None = None
             for bref in view.open_blocks(wf.id, name, cursors):
@@ -140,6 +145,12 @@ def choose_block(
                     candidates.append(bref)
                     if len(candidates) >= want:
                         break
+            if preferred and candidates:
+                assert preference is not None
+                allowed = preference.split(wf.id, exp, {b.first for b in candidates})
+                candidates = [b for b in candidates if b.first in allowed]
+                if not placed:
+                    candidates, fallback = candidates[:spread], None
             if placed:  # and a block offered to another node is left to it
                 assert placement is not None
                 candidates, fallback = _placed(placement, wf.id, exp, candidates, spread), None

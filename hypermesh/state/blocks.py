@@ -4,7 +4,7 @@ Per-task keys cost about six etcd changes per task, each delivered to every agen
 mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
 An experiment that qualifies (``why_not_batched``, a rule of the recipe language in
 ``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs or has ``inputs``
-too: ``block_size``)
+or ``prefer_pools`` too: ``block_size``)
 is therefore written as *blocks* of up to ``MAX_BLOCK`` consecutive tasks (``block/``
 keys). A node claims a whole block (``bclaim/``, on its lease) in one transaction, runs
 its tasks in its own slots, and records their attempts
@@ -54,9 +54,9 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     slots, or None for per-task keys: the recipe's ``batch`` if set (``batch: 1`` is
     per-task keys), else about ``count / (4 * slots)``, at most ``MAX_BLOCK``; below 2
     per-task keys on a small mesh, and on a mesh of ``LARGE_MESH_SLOTS`` blocks of 2 with
-    2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs
-    or has ``inputs``, and for nothing else that keeps per-task keys, runs in one-task
-    blocks too (``placed_per_block``)."""
+    2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs,
+    has ``inputs`` or ``prefer_pools``, and for nothing else that keeps per-task keys,
+    runs in one-task blocks too (``placed_per_block``)."""
     if why_not_batched(exp) is not None:
         return 1 if mesh_slots >= LARGE_MESH_SLOTS and placed_per_block(exp) else None
     if exp.batch is not None:
@@ -76,12 +76,14 @@ def placed_per_block(exp: Experiment) -> bool:
     - GPUs: the holder books them as the task starts (``agent/claims/claimer.py``), and
       the leader offers GPU blocks where gossip says a GPU is free;
     - ``inputs``: the leader offers the block to the node that holds most of its data,
-      and keeps it for that node for the locality delay (``agent/leader/offers.py``).
+      and keeps it for that node for the locality delay (``agent/leader/offers.py``);
+    - ``prefer_pools``: the leader keeps it for a node of a preferred pool with room
+      for the pool delay.
     """
-    if not (exp.hardware.gpus or exp.inputs) or exp.batch == 1:
+    if not (exp.hardware.gpus or exp.inputs or exp.prefer_pools) or exp.batch == 1:
         return False
     bare = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0),
-                   inputs=())
+                   inputs=(), prefer_pools=())
     return why_not_batched(bare) is None
 
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
+from tests.tasks.test_blocks_mesh import assert_written_in_blocks
 
 PREFERRING = """\
 experiments:
@@ -69,3 +72,29 @@ def test_submit_warns_when_no_preferred_pool_exists(mesh: Mesh) -> None:
     again = mesh.hm("submit", str(recipe), check=True).stderr
     assert "preferred pool" not in again  # (no node is live yet: that warning stays)
     assert "no live node in the mesh" in again
+
+
+@pytest.mark.parametrize("watch", ["all", "own"])
+def test_on_a_large_mesh_the_preferred_pool_runs_one_task_blocks_first(
+    mesh: Mesh, watch: str
+) -> None:
+    # 32 slots each: a mesh of 64 slots, where the experiment runs in one-task blocks.
+    # p1 has room for 32 of the 40 tasks: it runs those, c1 the other 8 at once. (A
+    # longer delay than above: p1 claims its 32 blocks two offers at a time.)
+    for name, pool in (("p1", "onprem"), ("c1", "cloud")):
+        mesh.agent(name, slots=32, extra=("--pool", pool, "--watch", watch,
+                                          "--pool-delay", "15"))
+    wait_for(lambda: len(mesh.hm_json("nodes")) == 2, 30, "both agents to register")
+    values = ", ".join(str(i) for i in range(40))
+    wid = mesh.submit(mesh.write_recipe(PREFERRING.format(values=values, seconds=10), "c.yaml"))
+
+    def all_running() -> Counter[str] | None:
+        tasks = mesh.hm_json("tasks", wid)
+        if all(t["state"] == "running" for t in tasks):
+            return Counter(t["node"] for t in tasks)
+        return None
+
+    running = wait_for(all_running, 30, "all 40 tasks to run", interval=0.2)
+    assert running == {"p1": 32, "c1": 8}, mesh.logs()
+    assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded"
+    assert_written_in_blocks(mesh, wid, 40)

@@ -355,3 +355,30 @@ def check_kept(feed: Feed, offers: Offers, locality: FakeLocality,
 def names_short(view: Any, written: dict[str, tuple[BlockRef, ...]]) -> list[str]:
     return [n for n, rec in view.nodes.items()
             if rec.offers and rec.state == "alive" and len(written.get(n, ())) < OFFER_AHEAD]
+
+
+def test_a_block_is_kept_for_a_preferred_pools_node_with_room_for_the_pool_delay() -> None:
+    # One-task blocks of an experiment that prefers pool onprem (a large mesh): p1 (onprem)
+    # has room for 4, c1 (cloud) too. The first four blocks are kept for p1, the rest go
+    # to c1 at once; a kept block p1 does not get to within the delay goes to anyone.
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 6\n    prefer_pools: [onprem]"),
+                  state="running")
+    feed.put(feed.ks.node("p1"), NodeRecord("p1", "a:1", pool="onprem", slots=4,
+                                            offers=True).to_json())
+    feed.put(feed.ks.node("c1"), NodeRecord("c1", "a:1", pool="cloud", slots=4,
+                                            offers=True).to_json())
+    b = [feed_block(feed, "w", first, 1) for first in range(6)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 6})
+    offers = offers_of(feed)
+    offers.pool_delay = 5.0
+    assert offers.changes(0.0) == [("c1", (b[4], b[5])), ("p1", (b[0], b[1]))]
+    assert offers._kept == {"p1": {b[2]: None, b[3]: None}}
+    claim(feed, b[0], "p1")  # p1's offer takes the next block kept for it
+    assert offers.changes(1.0) == [("p1", (b[1], b[2]))]
+    claim(feed, b[4], "c1")  # not one kept for p1
+    assert offers.changes(2.0) == [("c1", (b[5],))]
+    assert offers.changes(5.0) == [("c1", (b[5], b[3]))]  # b3 waited 5 s: anyone's
+    # Without a pool delay, no block is kept: the same blocks in order.
+    fresh = offers_of(feed)
+    assert fresh.changes(6.0) == [("c1", (b[1], b[2])), ("p1", (b[3], b[5]))]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from hypermesh.agent.claims.placement import Placement
+from hypermesh.agent.claims.pool_preference import PoolPreference
 from hypermesh.agent.tasks.blocks import FLUSH_MAX_S, FLUSH_S, choose_block, flush_window
 from hypermesh.local.etcd import EtcdServer
 from hypermesh.recipe.recipe import parse_recipe, why_not_batched
@@ -79,7 +80,10 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         ("hardware: {gpu_memory: 4GiB}", 100, 64, 1),
         ("hardware: {gpus: 1}\nbatch: 1", 100, 64, None),  # the recipe's choice
         ("hardware: {gpus: 1}\nworkers: 2", 100, 64, None),  # GPUs are not all it asks
-        ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, None),
+        ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, 1),
+        ("prefer_pools: [a]", 100, 16, None),  # prefer_pools: per-task keys on a small mesh
+        ("prefer_pools: [a]", 100, 64, 1),  # one-task blocks on a large one
+        ("prefer_pools: [a]\nbatch: 1", 100, 64, None),
         (INPUTS, 100, 16, None),  # inputs: per-task keys on a small mesh
         (INPUTS, 100_000, 64, 1),  # one-task blocks on a large one, placed by the leader
         (f"{INPUTS}\nhardware: {{gpus: 1}}", 100, 64, 1),
@@ -87,7 +91,7 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         (f"{INPUTS}\nworkers: 2", 100, 64, None),
     ],
 )
-def test_gpu_and_input_experiments_run_in_one_task_blocks_on_a_large_mesh(
+def test_gpu_input_and_pool_experiments_run_in_one_task_blocks_on_a_large_mesh(
     extra: str, count: int, slots: int, size: int | None
 ) -> None:
     exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
@@ -270,6 +274,29 @@ def test_choose_block_places_one_task_blocks_of_input_experiments_by_their_data(
     assert choose_block(view, me, set(), placement=placement(3.0)) == b[0]  # 3 s later
     # Without a placement (a node that does not place by locality), the first block.
     assert choose_block(view, me, set()) == b[0]
+
+
+def test_choose_block_leaves_blocks_of_a_preferring_experiment_to_the_preferred_pool() -> None:
+    # c1 (cloud) chooses blocks itself on a large mesh; p1 (onprem, preferred) has room
+    # for two: c1 leaves it the first two for the pool delay and takes the third.
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 4\n    prefer_pools: [onprem]"),
+                  state="running")
+    feed.put(feed.ks.node("c1"), NodeRecord("c1", "a:1", pool="cloud", slots=2).to_json())
+    feed.put(feed.ks.node("p1"), NodeRecord("p1", "a:1", pool="onprem", slots=2).to_json())
+    b = [feed_block(feed, "w", first, 1) for first in range(4)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 4})
+    view, since = feed.view, {}
+
+    def preference(me: str, now: float) -> PoolPreference:
+        return PoolPreference(view.nodes[me], dict(view.nodes), lambda: {"p1": 2, "c1": 2},
+                              now, since, delay_s=5.0)
+
+    first = preference("c1", 0.0)
+    assert choose_block(view, view.nodes["c1"], set(), preference=first) == b[2]
+    assert set(first.deferred) == {TaskRef("w", "e", 0), TaskRef("w", "e", 1)}
+    assert choose_block(view, view.nodes["p1"], set(), preference=preference("p1", 0.0)) == b[0]
+    assert choose_block(view, view.nodes["c1"], set(), preference=preference("c1", 5.0)) == b[0]
 
 
 def test_choose_block_cursors_skip_the_finished_blocks_at_the_start_only() -> None:
