@@ -31,6 +31,14 @@ def nodes_of(mesh: Mesh, wid: str) -> Counter[str]:
     return Counter(t["attempts"][0]["node"] for t in mesh.hm_json("tasks", wid))
 
 
+def all_running(mesh: Mesh, wid: str) -> Counter[str] | None:
+    """Once every task of the workflow runs, how many run on each node; else None."""
+    tasks = mesh.hm_json("tasks", wid)
+    if all(t["state"] == "running" for t in tasks):
+        return Counter(t["node"] for t in tasks)
+    return None
+
+
 def test_preferred_pool_runs_tasks_first_others_take_the_rest(mesh: Mesh) -> None:
     onprem = mesh.agent("p1", slots=2, extra=("--pool", "onprem", *DELAY))
     cloud = mesh.agent("c1", slots=2, extra=("--pool", "cloud", *DELAY))
@@ -46,13 +54,8 @@ def test_preferred_pool_runs_tasks_first_others_take_the_rest(mesh: Mesh) -> Non
     wid = mesh.submit(mesh.write_recipe(PREFERRING.format(values="0, 1, 2, 3", seconds=4),
                                         "b.yaml"))
 
-    def all_running() -> Counter[str] | None:
-        tasks = mesh.hm_json("tasks", wid)
-        if all(t["state"] == "running" for t in tasks):
-            return Counter(t["node"] for t in tasks)
-        return None
-
-    running = wait_for(all_running, 20, "all four tasks to run", interval=0.2)
+    running = wait_for(lambda: all_running(mesh, wid), 20, "all four tasks to run",
+                       interval=0.2)
     assert running == {"p1": 2, "c1": 2}, mesh.logs()
 
     # p1 is gone: its two tasks are lost and c1 runs them when it has room.
@@ -88,13 +91,8 @@ def test_on_a_large_mesh_the_preferred_pool_runs_one_task_blocks_first(
     values = ", ".join(str(i) for i in range(40))
     wid = mesh.submit(mesh.write_recipe(PREFERRING.format(values=values, seconds=10), "c.yaml"))
 
-    def all_running() -> Counter[str] | None:
-        tasks = mesh.hm_json("tasks", wid)
-        if all(t["state"] == "running" for t in tasks):
-            return Counter(t["node"] for t in tasks)
-        return None
-
-    running = wait_for(all_running, 30, "all 40 tasks to run", interval=0.2)
+    running = wait_for(lambda: all_running(mesh, wid), 30, "all 40 tasks to run",
+                       interval=0.2)
     assert running == {"p1": 32, "c1": 8}, mesh.logs()
     assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=60)["state"] == "succeeded"
     assert_written_in_blocks(mesh, wid, 40)
