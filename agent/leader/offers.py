@@ -87,7 +87,8 @@ def plan_offers(
     ``stale``: offered blocks their node has left unclaimed for a while (it has no free
     slot): a node left with nothing takes one (``_share``). ``free_gpus``: the GPUs a
     node has free, as gossip last said (``_open_to``). ``keep_for``: the node a block
-    of an experiment with ``inputs`` waits for (``KeepFor``); no other node is offered it.
+    of an experiment with ``inputs`` or ``prefer_pools`` waits for (``KeepFor``); no other
+    node is offered it.
     """
     nodes = _takers(view.nodes)
     keeps = _cached(keep_for)
@@ -319,6 +320,8 @@ class Offers:
         self._kept_by: dict[BlockRef, str] = {}
         self._looked_up = -1
         self._keeps: KeepFor | None = None
+        self._kinds_epoch = -1
+        self._any_kind = False
         self._open: Opener = _opener(agent.view, None)
 
     def handed_over(self) -> None:
@@ -344,8 +347,7 @@ class Offers:
         whole plan (every node that chooses from offers: the others' are deleted)."""
         view = self.agent.view
         self._now = now
-        keeping = self.locality is not None or self.pool_delay is not None
-        self._keeps = _cached(self._keep) if keeping else None
+        self._keeps = _cached(self._keep) if self._keeping(view) else None
         self._open = _opener(view, self.free_gpus, self._keeps)
         self._room = None
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
@@ -354,6 +356,19 @@ class Offers:
         touched, view.offer_blocks = view.offer_blocks, set()
         due = bool(self._kept) and (self._keeping_ended(now) or self._answers_came())
         return (self._plan_changes(view, touched or set()) if touched or due else {}), False
+
+    def _keeping(self, view: MeshView) -> bool:
+        """Whether a block may be kept for a node this round: this leader places by
+        locality or pools, and a live workflow has an experiment of that kind (looked
+        up again when the workflows change), or blocks are kept from before."""
+        if self.locality is None and self.pool_delay is None:
+            return False
+        if view.offer_epoch != self._kinds_epoch:
+            self._kinds_epoch = view.offer_epoch
+            self._any_kind = any(
+                (exp.inputs or exp.prefer_pools) and view.workflow_state(wf.id) not in TERMINAL
+                for wf in view.workflows.values() for exp in wf.recipe.experiments)
+        return self._any_kind or bool(self._kept)
 
     def _keeping_ended(self, now: float) -> bool:
         return bool(self._keep_until) and self._keep_until[0][0] <= now
@@ -436,7 +451,7 @@ class Offers:
 
     def _wait(self, view: MeshView, bref: BlockRef) -> None:
         """``bref`` is claimable and offered to no node: it waits, for any node or for
-        the one that holds its data."""
+        the node it is kept for."""
         keeper = (self._keeps(bref) if self._keeps is not None and _kept_kind(view, bref)
                   else None)
         if keeper is None:
@@ -481,8 +496,9 @@ class Offers:
         stale = {b for b, (_, since) in self._since.items() if now - since >= RESCAN_S}
         if self.locality is not None:
             self._looked_up = self.locality.looked_up
+        candidates = list(_candidates(view, dict(self._cursors)))
         if self._keeps is not None:  # in block order, as room for a preferred pool goes
-            for bref in _candidates(view, dict(self._cursors)):
+            for bref in candidates:
                 if _kept_kind(view, bref):
                     self._keeps(bref)
         wanted = plan_offers(view, self._cursors, current=self._written, stale=stale,
@@ -492,14 +508,14 @@ class Offers:
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
         self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
         self._waiting, self._kept, self._kept_by = {}, {}, {}
-        for bref in _candidates(view, dict(self._cursors)):
+        for bref in candidates:
             if bref not in self._offered_to:
                 self._wait(view, bref)
         if self._kept:  # a node that gave its last block to a node with nothing (_share)
             changed = {name: list(blocks) for name, blocks in wanted.items()}
             self._fill_kept(view, changed)
             wanted = {name: tuple(blocks) for name, blocks in changed.items()}
-        if self._keeps is not None:
+        if self._open_since:
             live = self._offered_to.keys() | self._kept_by.keys() | self._waiting.keys()
             self._open_since = {b: t for b, t in self._open_since.items() if b in live}
             self._keep_ends = {b: t for b, t in self._keep_ends.items() if b in live}
