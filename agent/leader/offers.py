@@ -352,10 +352,21 @@ class Offers:
         self._room = None
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
-            return self._plan_whole(view, now), True
-        touched, view.offer_blocks = view.offer_blocks, set()
-        due = bool(self._kept) and (self._keeping_ended(now) or self._answers_came())
-        return (self._plan_changes(view, touched or set()) if touched or due else {}), False
+            planned, whole = self._plan_whole(view, now), True
+        else:
+            touched, view.offer_blocks = view.offer_blocks, set()
+            due = self._keeping_ended(now) or (bool(self._kept) and self._answers_came())
+            planned = self._plan_changes(view, touched or set()) if touched or due else {}
+        self._arm(now)
+        return planned, whole
+
+    def _arm(self, now: float) -> None:
+        """A round when the first keeping ends, and soon while blocks wait for their
+        data to be looked up (the timer keeps only the earliest: armed every round)."""
+        if self._keep_until:
+            self.wake_at(self._keep_until[0][0])
+        if "" in self._kept:
+            self.wake_at(now + LOOKUP_POLL_S)
 
     def _keeping(self, view: MeshView) -> bool:
         """Whether a block may be kept for a node this round: this leader places by
@@ -389,10 +400,8 @@ class Offers:
         loc = self.locality
         if exp.inputs and loc is not None and waited < loc.delay_s:
             keeper = loc.holder(view, bref.task(0))
-            if keeper == "":
-                self.wake_at(self._now + LOOKUP_POLL_S)
             if keeper is not None:
-                self._keep_ends[bref] = since + loc.delay_s
+                self._keeps_until(bref, since + loc.delay_s)
                 return keeper
         if exp.prefer_pools and self.pool_delay is not None and waited < self.pool_delay:
             keeper = self._pool_kept.get(bref)  # kept once, kept for that node
@@ -400,9 +409,16 @@ class Offers:
                 keeper = self._preferred_with_room(view, bref.workflow, exp)
             if keeper is not None:
                 self._pool_kept[bref] = keeper
-                self._keep_ends[bref] = since + self.pool_delay
+                self._keeps_until(bref, since + self.pool_delay)
                 return keeper
         return None
+
+    def _keeps_until(self, bref: BlockRef, ends: float) -> None:
+        """``bref`` is kept for a node until ``ends``: a round then looks at it again,
+        waiting or offered."""
+        if self._keep_ends.get(bref) != ends:
+            self._keep_ends[bref] = ends
+            heapq.heappush(self._keep_until, (ends, bref))
 
     def _up(self, view: MeshView, name: str) -> bool:
         rec = view.nodes.get(name)
@@ -425,6 +441,12 @@ class Offers:
             return None
         self._room[names[0]] -= 1
         return names[0]
+
+    def _busy(self, view: MeshView, name: str) -> bool:
+        """``name`` has no free slot, as this round sees it."""
+        if self._room is None:
+            self._room, self._preferred = self._free_slots(view), {}
+        return self._room.get(name, 0) <= 0
 
     def _free_slots(self, view: MeshView) -> dict[str, int]:
         """Free slots per live node: its slots, less the tasks it runs and the claimable
@@ -459,9 +481,6 @@ class Offers:
             return
         self._kept.setdefault(keeper, {})[bref] = None
         self._kept_by[bref] = keeper
-        ends = self._keep_ends[bref]
-        heapq.heappush(self._keep_until, (ends, bref))
-        self.wake_at(ends)
 
     def _unwait(self, bref: BlockRef) -> None:
         self._waiting.pop(bref, None)
@@ -472,13 +491,27 @@ class Offers:
             if not bucket:
                 del self._kept[keeper]
 
-    def _review_kept(self, view: MeshView) -> None:
-        """Blocks whose keeping ended wait for any node; those kept for no node while
-        their data was looked up are placed again once answers came."""
+    def _review_kept(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> set[str]:
+        """Blocks whose keeping ended wait for any node, and so does one offered to the
+        node it was kept for when that node has no free slot (it would hold the block
+        until one of its tasks ends: a busy holder keeps a task waiting for the delay
+        at most, as with per-task claims); those kept for no node while their data was
+        looked up are placed again once answers came. Returns the busy nodes that gave
+        blocks up: the caller fills them only after the others."""
         due: list[BlockRef] = []
+        gave: set[str] = set()
         while self._keep_until and self._keep_until[0][0] <= self._now:
             bref = heapq.heappop(self._keep_until)[1]
             if bref in self._kept_by:
+                due.append(bref)
+            elif bref in self._offered_to and self._busy(view, self._offered_to[bref]):
+                node = self._offered_to.pop(bref)
+                blocks = changed.setdefault(node, list(self._written.get(node) or ()))
+                if bref in blocks:
+                    blocks.remove(bref)
+                self._short.pop(node, None)
+                self._full.pop(node, None)
+                gave.add(node)
                 due.append(bref)
         if self.locality is not None and self.locality.looked_up != self._looked_up:
             self._looked_up = self.locality.looked_up
@@ -487,6 +520,7 @@ class Offers:
             self._unwait(bref)
             if claimable(view, bref) and _live(view, bref):
                 self._wait(view, bref)
+        return gave
 
     def _plan_whole(self, view: MeshView, now: float) -> dict[str, tuple[BlockRef, ...]]:
         if now >= self._rescan_at:
@@ -520,7 +554,8 @@ class Offers:
             self._open_since = {b: t for b, t in self._open_since.items() if b in live}
             self._keep_ends = {b: t for b, t in self._keep_ends.items() if b in live}
             self._pool_kept = {b: n for b, n in self._pool_kept.items() if b in live}
-            self._keep_until = [(t, b) for t, b in self._keep_until if b in self._kept_by]
+            self._keep_until = [(t, b) for t, b in self._keep_until
+                                if b in live and self._keep_ends.get(b) == t]
             heapq.heapify(self._keep_until)
             if self.locality is not None:
                 self.locality.forget({b.task(0) for b in self._open_since})
@@ -548,7 +583,7 @@ class Offers:
                     blocks.remove(bref)
                 self._short[node] = None
                 self._full.pop(node, None)
-        self._review_kept(view)
+        gave = self._review_kept(view, changed)
         filled = self._fill_kept(view, changed)  # a donor for any node with nothing
         if self._waiting:
             for node in list(self._short):
@@ -561,6 +596,8 @@ class Offers:
         if not self._waiting:
             self._share(view, changed, filled)
             self._fill_kept(view, changed)  # a donor may have blocks kept for it
+        for node in gave:  # filled from the next round on, after the others took theirs
+            self._short[node] = None
         return {name: tuple(blocks) for name, blocks in changed.items()}
 
     def _fill_kept(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> bool:

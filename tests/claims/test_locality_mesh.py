@@ -114,18 +114,44 @@ def test_second_round_tasks_land_on_the_node_holding_their_shard(
     _second_round(mesh)
 
 
+def _large_mesh_after_the_first_round(mesh: Mesh, store: S3Store, store_url: str,
+                                     tmp_path: Path, watch: str) -> None:
+    """Two nodes of 32 slots (a mesh of 64 slots, where experiments with inputs run in
+    one-task blocks), each holding the shard it read in the first round."""
+    _shards(store, tmp_path)
+    _start(mesh, store_url, slots=32, more=("--watch", watch))
+    _first_round(mesh)
+
+
 @pytest.mark.parametrize("watch", ["all", "own"])
 def test_on_a_large_mesh_one_task_blocks_land_on_the_node_holding_their_shard(
     mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path, watch: str
 ) -> None:
-    # Two nodes of 32 slots: a mesh of 64 slots, where experiments with inputs run in
-    # one-task blocks. Nodes that watch everything choose them by their data; the
-    # leader offers them to nodes that watch their own part by the same rule.
-    _shards(store, tmp_path)
-    _start(mesh, store_url, slots=32, more=("--watch", watch))
-    _first_round(mesh)
+    # Nodes that watch everything choose one-task blocks by their data; the leader
+    # offers them to nodes that watch their own part by the same rule.
+    _large_mesh_after_the_first_round(mesh, store, store_url, tmp_path, watch)
     wid = _second_round(mesh)
     assert_written_in_blocks(mesh, wid, 8)
+
+
+SHARD_0 = """
+experiments:
+  e:
+    data: {shards: shards}
+    inputs: shards/shard-0
+    command: cat "$HM_DATA_SHARDS"/shard-0/* > /dev/null
+"""
+
+
+def _shard_0_on_node2(mesh: Mesh) -> tuple[str, float]:
+    """One task reading shard 0 (node1's) runs, on node2: the workflow's id, and how
+    long after the submit it started."""
+    wid = mesh.submit(mesh.write_recipe(SHARD_0, "shard0.yaml"))
+    status = mesh.wait_state(wid, {"succeeded", "failed"}, 60)
+    assert status["state"] == "succeeded"
+    (task,) = _tasks(mesh, wid)
+    assert task["node"] == "node2"
+    return wid, task["attempts"][0]["started_at"] - status["submitted_at"]
 
 
 def test_a_task_whose_holder_is_busy_runs_elsewhere_after_the_delay(
@@ -140,21 +166,26 @@ def test_a_task_whose_holder_is_busy_runs_elsewhere_after_the_delay(
     ))
     wait_for(lambda: _tasks(mesh, busy) and _tasks(mesh, busy)[0]["state"] == "running", 30,
              "node1 to be busy")
-    wid = mesh.submit(mesh.write_recipe(
-        """
-experiments:
-  e:
-    data: {shards: shards}
-    inputs: shards/shard-0
-    command: cat "$HM_DATA_SHARDS"/shard-0/* > /dev/null
-""",
-        "shard0.yaml",
-    ))
-    status = mesh.wait_state(wid, {"succeeded", "failed"}, 60)
-    assert status["state"] == "succeeded"
-    (task,) = _tasks(mesh, wid)
-    assert task["node"] == "node2"
-    waited = task["attempts"][0]["started_at"] - status["submitted_at"]
+    wid, waited = _shard_0_on_node2(mesh)
     assert waited >= DELAY_S - 0.2, waited  # it was left to node1 for the delay first
     assert f"leaving {wid}.e.0 to node1" in two.log_tail(20000)
+    mesh.hm("cancel", busy, check=True)
+
+
+@pytest.mark.parametrize("watch", ["all", "own"])
+def test_on_a_large_mesh_a_block_whose_holder_is_busy_runs_elsewhere_after_the_delay(
+    mesh: Mesh, store: S3Store, store_url: str, tmp_path: Path, watch: str
+) -> None:
+    # node1 holds shard 0 and all its 32 slots are busy: the block is kept for it for
+    # the delay (offered to it, or left to it by node2), then node2 runs it.
+    _large_mesh_after_the_first_round(mesh, store, store_url, tmp_path, watch)
+    busy = mesh.submit(mesh.write_recipe(
+        "experiments:\n  hold:\n    pools: [p1]\n    samples: 32\n    command: sleep 60\n",
+        "busy.yaml"))
+    wait_for(lambda: [t["state"] for t in _tasks(mesh, busy)] == ["running"] * 32, 30,
+             "node1's 32 slots to be busy")
+    wid, waited = _shard_0_on_node2(mesh)
+    assert waited >= DELAY_S - 0.2, waited  # it was kept for node1 for the delay first
+    assert waited < 30, waited  # and not until one of node1's tasks ended (60 s)
+    assert_written_in_blocks(mesh, wid, 1)
     mesh.hm("cancel", busy, check=True)
