@@ -176,6 +176,19 @@ def test_a_mirror_that_loads_again_has_its_offers_planned_whole() -> None:
     assert feed.view.offer_blocks is None
 
 
+def end_or_release(feed: Feed, rng: random.Random) -> BlockRef | None:
+    """A held block, chosen at random, ends (returned) or is released unfinished."""
+    held = sorted(feed.view.block_claims)
+    if not held:
+        return None
+    pick = rng.choice(held)
+    if rng.random() < 0.7:
+        finish(feed, pick, "x")
+        return pick
+    feed.delete(feed.ks.block_claim(pick))
+    return None
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_changes_keep_every_offer_valid_and_no_node_short_while_blocks_wait(
     seed: int,
@@ -197,14 +210,9 @@ def test_random_changes_keep_every_offer_valid_and_no_node_short_while_blocks_wa
                 holder = next((n for n, bl in written.items() if pick in bl), "self")
                 claim(feed, pick, holder)
         elif roll < 0.75:  # a held block ends, or is released unfinished
-            held = sorted(feed.view.block_claims)
-            if held:
-                pick = rng.choice(held)
-                if rng.random() < 0.7:
-                    finish(feed, pick, "x")
-                    finished.add(pick)
-                else:
-                    feed.delete(feed.ks.block_claim(pick))
+            ended = end_or_release(feed, rng)
+            if ended is not None:
+                finished.add(ended)
         elif roll < 0.8:  # a node drains or comes back
             name = rng.choice(names)
             state = rng.choice(["alive", "draining"])
@@ -319,13 +327,7 @@ def test_random_changes_keep_blocks_for_their_data_and_no_node_short_while_other
                 node, pick = rng.choice(offered)
                 claim(feed, pick, node)
         elif roll < 0.7:  # a held block ends, or is released unfinished
-            held = sorted(feed.view.block_claims)
-            if held:
-                pick = rng.choice(held)
-                if rng.random() < 0.7:
-                    finish(feed, pick, "x")
-                else:
-                    feed.delete(feed.ks.block_claim(pick))
+            end_or_release(feed, rng)
         elif roll < 0.75:  # a lookup ends
             waiting = [i for i, h in locality.holders.items() if h == ""]
             if waiting:
