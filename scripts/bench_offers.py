@@ -2,7 +2,8 @@
 plans only what changed (issue 23).
 
 A leader's view is fed key by key, as its watch would: one running workflow of
-``4 * nodes`` blocks of 2 tasks (half of them offered, half waiting), and ``nodes``
+``4 * nodes`` blocks of 2 tasks (half of them offered, half waiting; with ``--workers``,
+one-task blocks of an experiment with that cap), and ``nodes``
 nodes that choose from offers. Then, timed with ``time.perf_counter`` (medians of ``--rounds``):
 
 - a whole plan (``plan_offers``, what every leader round did before: every node, every
@@ -12,7 +13,7 @@ nodes that choose from offers. Then, timed with ``time.perf_counter`` (medians o
   busy round: each such node's offer is rewritten).
 
     .venv/bin/python scripts/bench_offers.py [--nodes 256 1000 10000] [--claims 10]
-        [--rounds 5] [--json]
+        [--rounds 5] [--prefer-pools] [--workers W] [--json]
 
 Pure Python on one core, no etcd: the planning alone. It asserts nothing about speed.
 """
@@ -69,14 +70,15 @@ def one_workflow(nodes: int, offers: bool, extra: str = ""
     return view, put
 
 
-def mesh(nodes: int, extra: str = "") -> MeshView:
-    """A leader's view of one running workflow and ``nodes`` nodes that take offers;
-    ``extra``: more of the experiment's fields."""
+def mesh(nodes: int, extra: str = "", size: int = 2) -> MeshView:
+    """A leader's view of one running workflow of ``4 * nodes`` blocks of ``size`` tasks
+    and ``nodes`` nodes that take offers; ``extra``: more of the experiment's fields."""
     view, put = one_workflow(nodes, offers=True, extra=extra)
     ks = view.ks
-    for first in range(0, 8 * nodes, 2):
-        put(ks.block(BlockRef("w", "e", first)), {"params": [{"i": first}, {"i": first + 1}]})
-    put(ks.expanded("w", "e"), {"count": 8 * nodes})
+    for first in range(0, 4 * size * nodes, size):
+        put(ks.block(BlockRef("w", "e", first)),
+            {"params": [{"i": first + k} for k in range(size)]})
+    put(ks.expanded("w", "e"), {"count": 4 * size * nodes})
     return view
 
 
@@ -86,8 +88,12 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def measure(nodes: int, claims: int, rounds: int, prefer: bool = False) -> dict[str, Any]:
-    view = mesh(nodes, "    prefer_pools: [default]\n" if prefer else "")
+def measure(nodes: int, claims: int, rounds: int, prefer: bool = False,
+            workers: int | None = None) -> dict[str, Any]:
+    extra = "    prefer_pools: [default]\n" if prefer else ""
+    if workers is not None:
+        extra += f"    workers: {workers}\n"
+    view = mesh(nodes, extra, size=1 if workers is not None else 2)
     offers = Offers(cast(Any, SimpleNamespace(view=view)))
     if prefer:
         offers.pool_delay = 5.0
@@ -110,6 +116,10 @@ def measure(nodes: int, claims: int, rounds: int, prefer: bool = False) -> dict[
                 rev += 1
                 view.apply(view.ks.block_claim(held[0]), dumps({"node": name, "lease": 1}),
                            rev, rev)
+                slot = offers._caps.slot(held[0])
+                if slot is not None:  # a capped block's claim takes its slot with it
+                    key = view.ks.block_slot("w", "e", slot)
+                    view.apply(key, dumps({"node": name, "first": held[0].first}), rev, rev)
         t0 = time.perf_counter()
         out = offers.changes(10.0 * (rounds + 1) + 0.2 + r * 0.01)
         busy.append(time.perf_counter() - t0)
@@ -132,9 +142,13 @@ def main() -> int:
     p.add_argument("--prefer-pools", action="store_true",
                    help="the experiment prefers the nodes' pool: its blocks are kept for "
                    "a node with room as they are offered")
+    p.add_argument("--workers", type=int, default=None, metavar="W",
+                   help="the experiment has a workers cap of W (one-task blocks, each "
+                   "offered with a slot of the cap; claims take theirs)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    rows = [measure(n, args.claims, args.rounds, args.prefer_pools) for n in args.nodes]
+    rows = [measure(n, args.claims, args.rounds, args.prefer_pools, args.workers)
+            for n in args.nodes]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

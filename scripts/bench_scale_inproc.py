@@ -254,6 +254,14 @@ def with_prefer_pools(recipe: str, pools: str | None) -> str:
     return f"{head}    prefer_pools: [{pools}]\n{sep}{tail}"
 
 
+def with_workers(recipe: str, workers: int | None) -> str:
+    """``recipe`` (``recipe_text``'s) with a ``workers`` cap, when given."""
+    if workers is None:
+        return recipe
+    head, sep, tail = recipe.partition("    command:")
+    return f"{head}    workers: {workers}\n{sep}{tail}"
+
+
 def with_task_gpus(recipe: str, gpus: float) -> str:
     """``recipe`` (``recipe_text``'s) with each task asking for ``gpus`` GPUs."""
     if not gpus:
@@ -504,9 +512,9 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
             if code:
                 raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
-        recipe.write_text(with_prefer_pools(with_task_inputs(with_task_gpus(
+        recipe.write_text(with_workers(with_prefer_pools(with_task_inputs(with_task_gpus(
             recipe_text(args.tasks, block=args.block), args.task_gpus), args.task_inputs),
-            args.prefer_pools))
+            args.prefer_pools), args.workers))
         COUNTERS.attempts.clear()
         EVENTS.take()
         APPLIED.start()
@@ -693,6 +701,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefer-pools", default=None, metavar="POOLS",
                    help="the tasks prefer these pools (prefer_pools: [POOLS]); the members "
                    "are of pool default")
+    p.add_argument("--workers", type=int, default=None,
+                   help="the experiment's workers cap (workers: W); with --block 1, task by task")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,

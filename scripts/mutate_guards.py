@@ -137,8 +137,9 @@ IF_GUARDS: tuple[IfGuard, ...] = (
             "the batches after a refused one are still written, and the marker"),
     IfGuard("hypermesh/state/live.py", "_change", "snap.state in TERMINAL", "False",
             "a live change is made to a workflow that ended"),
-    IfGuard("hypermesh/state/live.py", "scale_experiment", "batched", "False",
-            "a workers cap is set on a batched experiment (blocks take none)"),
+    IfGuard("hypermesh/state/live.py", "scale_experiment", "several", "False",
+            "a workers cap is set on an experiment in blocks of several tasks (they take "
+            "none)"),
     IfGuard("hypermesh/state/live.py", "extend_experiment.change", "snap.control.cancelled",
             "False", "samples are added to a cancelled experiment"),
     IfGuard("hypermesh/state/live.py", "extend_experiment.change", "started", "False",

@@ -163,7 +163,7 @@ class Locality:
 
     # ------------------------------------------------------------------ the leader's offers
     def holder(self, view: MeshView, ref: TaskRef) -> str | None:
-        """For the leader's offers (``BlockLocality`` in ``agent/leader/offers.py``): the
+        """For the leader's offers (``BlockLocality`` in ``agent/leader/offer_hooks.py``): the
         node that may run ``ref`` and holds most of its inputs, as gossip says (ties to
         the first name); "" while its inputs are being looked up (a lookup starts); None
         when no such node holds any, or its inputs cannot be known."""

@@ -30,6 +30,7 @@ class _Unsure:
     plan: ClaimPlan | None  # a task claim, or None for a block claim (``bref``)
     bref: BlockRef | None
     started_at: float
+    slot: int | None = None  # the cap slot a block claim took with it
 
 
 class UnsureClaims:
@@ -53,10 +54,10 @@ class UnsureClaims:
             key = self.ks.claim(plan.ref)
             self._pending[key] = _Unsure(key, plan, None, started_at)
 
-    def block(self, bref: BlockRef) -> None:
-        """``claim_block`` for ``bref`` failed without an answer."""
+    def block(self, bref: BlockRef, slot: int | None = None) -> None:
+        """``claim_block`` for ``bref`` (with cap slot ``slot``) failed without an answer."""
         key = self.ks.block_claim(bref)
-        self._pending[key] = _Unsure(key, None, bref, 0.0)
+        self._pending[key] = _Unsure(key, None, bref, 0.0, slot)
 
     async def settle(self, running: Container[TaskRef], held: Container[BlockRef]) -> list[str]:
         """Read each claim back; give back those held under this node's lease that are
@@ -84,9 +85,12 @@ class UnsureClaims:
         changed since the read: not ours to give back any more)."""
         plan = unsure.plan
         if plan is None:
-            key = unsure.key
-            done = await self.etcd.txn([self.etcd.mod_revision_is(key, revision)],
-                                       [self.etcd.op_delete(key)])
+            key, bref = unsure.key, unsure.bref
+            ops = [self.etcd.op_delete(key)]
+            if unsure.slot is not None and bref is not None:  # taken with the claim
+                ops.append(self.etcd.op_delete(
+                    self.ks.block_slot(bref.workflow, bref.experiment, unsure.slot)))
+            done = await self.etcd.txn([self.etcd.mod_revision_is(key, revision)], ops)
             return bool(done.succeeded)
         lost = Attempt(plan.attempt, self.node, "failed", reason="node-lost",
                        started_at=unsure.started_at, ended_at=time.time())

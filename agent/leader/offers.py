@@ -27,6 +27,10 @@ waiting for a node, and nodes short of offers take waiting blocks; once none wai
 node the round left with nothing takes the second block of a node offered two (as a
 whole plan shares). A round with nothing changed costs nothing, and a busy one costs
 in proportion to what changed, not to the size of the mesh.
+
+A block of an experiment with a ``workers`` cap is offered with a slot of the cap
+(``agent/leader/cap_slots.py``), only to a node with a free slot for it, and stays with
+that node; those the cap has no room for wait per experiment until slots free.
 """
 
 from __future__ import annotations
@@ -39,8 +43,16 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from hypermesh.agent.leader.cap_slots import CapSlots
+from hypermesh.agent.leader.offer_hooks import (
+    BlockLocality,
+    CapOpener,
+    FreeGpus,
+    KeepFor,
+    Opener,
+)
 from hypermesh.state.fit import allowed_on
-from hypermesh.state.keyspace import BlockRef, TaskRef
+from hypermesh.state.keyspace import BlockRef
 from hypermesh.state.records import TERMINAL, NodeRecord, dumps
 
 if TYPE_CHECKING:
@@ -74,7 +86,8 @@ def plan_offers(
     view: MeshView, cursors: dict[tuple[str, str], int] | None = None,
     ahead: int = OFFER_AHEAD, current: dict[str, tuple[BlockRef, ...] | None] | None = None,
     stale: Collection[BlockRef] = (), free_gpus: FreeGpus | None = None,
-    keep_for: KeepFor | None = None,
+    keep_for: KeepFor | None = None, apart: Callable[[BlockRef], bool] | None = None,
+    cap: CapOpener | None = None,
 ) -> dict[str, tuple[BlockRef, ...]]:
     """What each live node that chooses from offers should be offered now.
 
@@ -88,11 +101,13 @@ def plan_offers(
     slot): a node left with nothing takes one (``_share``). ``free_gpus``: the GPUs a
     node has free, as gossip last said (``_open_to``). ``keep_for``: the node a block
     of an experiment with ``inputs`` or ``prefer_pools`` waits for (``KeepFor``); no other
-    node is offered it.
+    node is offered it. ``apart``: blocks the caller offers itself (those of capped
+    experiments, ``agent/leader/cap_slots.py``), which stay only where they are offered
+    now, as ``cap`` says.
     """
     nodes = _takers(view.nodes)
     keeps = _cached(keep_for)
-    open_to = _opener(view, free_gpus, keeps)
+    open_to = _opener(view, free_gpus, keeps, cap)
     taken: set[BlockRef] = set()
     plan: dict[str, list[BlockRef]] = {}
     for name, rec in nodes.items():
@@ -103,7 +118,7 @@ def plan_offers(
     hungry = [name for name in nodes if len(plan[name]) < ahead]
     if hungry:
         for bref in _candidates(view, cursors if cursors is not None else {}):
-            if bref in taken:
+            if bref in taken or (apart is not None and apart(bref)):
                 continue
             keeper = keeps(bref) if keeps is not None and _kept_kind(view, bref) else None
             if keeper is not None:  # only that node may take it: no need to ask the others
@@ -124,20 +139,24 @@ def plan_offers(
                     break
             if not hungry:
                 break
-    _share(open_to, nodes, plan, stale)
+    _share(open_to, nodes, plan, stale, apart)
     return {name: tuple(blocks) for name, blocks in plan.items()}
 
 
 def _share(open_to: Opener, nodes: dict[str, NodeRecord], plan: dict[str, list[BlockRef]],
-           stale: Collection[BlockRef] = ()) -> None:
+           stale: Collection[BlockRef] = (),
+           apart: Callable[[BlockRef], bool] | None = None) -> None:
     """No node is left with nothing while another holds two blocks: the one with nothing
     takes the other's last. Without this, a node that joins once every block is offered
     (a burst node, provisioned for exactly that backlog) would wait while the busy
     nodes' offers keep the next blocks for later. Nor while another has left a block
     unclaimed for a while (``stale``): that node is busy, and at the end of the work its
     one offered block would wait for a free slot there (up to a task's length) while
-    this node idles."""
-    donors = [name for name in nodes if len(plan[name]) > 1]
+    this node idles. Blocks ``apart`` stay where they are."""
+    def shared(bref: BlockRef) -> bool:
+        return apart is None or not apart(bref)
+
+    donors = [name for name in nodes if len(plan[name]) > 1 and shared(plan[name][-1])]
     empty = [n for n in nodes if not plan[n]]
     for name in empty:
         for donor in donors:
@@ -146,7 +165,8 @@ def _share(open_to: Opener, nodes: dict[str, NodeRecord], plan: dict[str, list[B
                 break
     if not stale:
         return
-    held = [(name, bref) for name in nodes for bref in plan[name] if bref in stale]
+    held = [(name, bref) for name in nodes for bref in plan[name]
+            if bref in stale and shared(bref)]
     for name in (n for n in empty if not plan[n]):
         for i, (donor, bref) in enumerate(held):
             if bref in plan[donor] and open_to(bref, nodes[name]):
@@ -155,19 +175,6 @@ def _share(open_to: Opener, nodes: dict[str, NodeRecord], plan: dict[str, list[B
                 del held[i]
                 break
 
-
-FreeGpus = Callable[[str], "float | None"]
-"""A node's free GPUs by its name, as gossip last said; None when it has said nothing."""
-
-KeepFor = Callable[[BlockRef], "str | None"]
-"""The node a block is kept for now: for an experiment with ``inputs``, the one that holds
-most of its task's data, while the block has waited less than the locality delay (""
-while its data is still being looked up: kept for no node); for one with
-``prefer_pools``, a node of a preferred pool with room, while it has waited less than the
-pool delay; None: any node may take it. Only blocks of experiments with ``inputs`` or
-``prefer_pools`` are asked about (``_kept_kind``)."""
-
-Opener = Callable[[BlockRef, NodeRecord], bool]
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -185,17 +192,21 @@ def _kept_kind(view: MeshView, bref: BlockRef) -> bool:
 
 
 def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
-             free_gpus: FreeGpus | None = None, keep_for: KeepFor | None = None) -> bool:
+             free_gpus: FreeGpus | None = None, keep_for: KeepFor | None = None,
+             cap: CapOpener | None = None) -> bool:
     """``node`` may run ``bref``: its work is live and allowed there, and when it asks
     for GPUs, ``free_gpus`` (when given) does not say the node has too few free now: GPU
     work goes where a GPU is free, so that a node whose GPUs are busy is offered other
     work. A block kept for a node (``keep_for``: the one that holds its data, or one of
-    a preferred pool) is open to that node only. (A node pulling the experiment's image
-    is offered it too: it claims once the image is there.)"""
+    a preferred pool) is open to that node only. A block of an experiment with a
+    ``workers`` cap is open as ``cap`` says. (A node pulling the experiment's image is
+    offered it too: it claims once the image is there.)"""
     if not _live(view, bref):
         return False
     exp = view.workflows[bref.workflow].recipe.experiment(bref.experiment)
     if not allowed_on(exp, node):
+        return False
+    if cap is not None and view.workers(bref.workflow, exp) is not None and not cap(bref, node):
         return False
     if (exp.inputs or exp.prefer_pools) and keep_for is not None:
         keeper = keep_for(bref)
@@ -208,11 +219,11 @@ def _open_to(view: MeshView, bref: BlockRef, node: NodeRecord,
 
 
 def _opener(view: MeshView, free_gpus: FreeGpus | None,
-            keep_for: KeepFor | None = None) -> Opener:
+            keep_for: KeepFor | None = None, cap: CapOpener | None = None) -> Opener:
     """``_open_to`` for one round of planning: each node's free GPUs asked of gossip at
     most once (the caller caches ``keep_for`` likewise: ``_cached``)."""
     asked = _cached(free_gpus)
-    return lambda bref, node: _open_to(view, bref, node, asked, keep_for)
+    return lambda bref, node: _open_to(view, bref, node, asked, keep_for, cap)
 
 
 def _live(view: MeshView, bref: BlockRef) -> bool:
@@ -248,22 +259,6 @@ def _candidates(view: MeshView, cursors: dict[tuple[str, str], int]) -> Iterator
                     yield bref
 
 
-class BlockLocality(Protocol):
-    """Where the data of a block's task is, for the leader (``agent/claims/locality.py``)."""
-
-    delay_s: float  # how long a block waits for the node that holds its data
-    looked_up: int  # grows whenever tasks' inputs were looked up
-
-    def holder(self, view: MeshView, ref: TaskRef) -> str | None:
-        """The node that may run ``ref`` and holds most of its inputs; "" while they are
-        being looked up (a lookup is started); None when no such node holds any."""
-        ...
-
-    def forget(self, keep: Collection[TaskRef]) -> None:
-        """Drop what was looked up for tasks not in ``keep``."""
-        ...
-
-
 LOOKUP_POLL_S = 0.2
 """While the inputs of blocks kept for no node are being looked up, a round every this
 many seconds looks for the answers."""
@@ -292,6 +287,12 @@ class Offers:
         self._short: dict[str, None] = {}  # nodes offered fewer than OFFER_AHEAD blocks
         self._full: dict[str, None] = {}  # nodes offered OFFER_AHEAD blocks: donors to share
         self._waiting: dict[BlockRef, None] = {}  # claimable, offered to no one, in order
+        # Capped experiments' blocks: their slots, those waiting with a slot for a node
+        # with room, and those the caps have no room for (agent/leader/cap_slots.py).
+        self._caps = CapSlots()
+        self._capped_waiting: dict[BlockRef, None] = {}
+        self._filling = False  # a node with room for capped blocks is being filled
+        self._written_slots: dict[str, tuple[int | None, ...]] = {}
         self._takers_epoch = -1
         self._any_taker = False
         # When each offered block was offered to the node it is offered to, by the clock
@@ -326,6 +327,9 @@ class Offers:
 
     def handed_over(self) -> None:
         self._written.clear()
+        self._written_slots.clear()
+        self._caps.clear()
+        self._capped_waiting.clear()
         self._since.clear()
         self._cursors.clear()
         self._open_since.clear()
@@ -348,7 +352,8 @@ class Offers:
         view = self.agent.view
         self._now = now
         self._keeps = _cached(self._keep) if self._keeping(view) else None
-        self._open = _opener(view, self.free_gpus, self._keeps)
+        self._caps.begin()
+        self._open = _opener(view, self.free_gpus, self._keeps, self._cap_open)
         self._room = None
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
@@ -356,7 +361,8 @@ class Offers:
         else:
             touched, view.offer_blocks = view.offer_blocks, set()
             due = self._keeping_ended(now) or (bool(self._kept) and self._answers_came())
-            planned = self._plan_changes(view, touched or set()) if touched or due else {}
+            planned = (self._plan_changes(view, touched or set())
+                       if touched or due or self._caps.penned else {})
         self._arm(now)
         return planned, whole
 
@@ -473,17 +479,24 @@ class Offers:
 
     def _wait(self, view: MeshView, bref: BlockRef) -> None:
         """``bref`` is claimable and offered to no node: it waits, for any node or for
-        the node it is kept for."""
+        the node it is kept for; a block of a capped experiment waits for a slot of the
+        cap first, then for a node with room."""
+        is_capped = self._caps.is_capped(view, bref)
+        if is_capped and not self._caps.admit(view, bref):
+            self._caps.pen(bref)
+            return
         keeper = (self._keeps(bref) if self._keeps is not None and _kept_kind(view, bref)
                   else None)
         if keeper is None:
-            self._waiting[bref] = None
+            (self._capped_waiting if is_capped else self._waiting)[bref] = None
             return
         self._kept.setdefault(keeper, {})[bref] = None
         self._kept_by[bref] = keeper
 
     def _unwait(self, bref: BlockRef) -> None:
         self._waiting.pop(bref, None)
+        self._capped_waiting.pop(bref, None)
+        self._caps.unpen(bref)
         keeper = self._kept_by.pop(bref, None)
         if keeper is not None:
             bucket = self._kept[keeper]
@@ -535,20 +548,28 @@ class Offers:
             for bref in candidates:
                 if _kept_kind(view, bref):
                     self._keeps(bref)
+        self._caps.penned.clear()
         wanted = plan_offers(view, self._cursors, current=self._written, stale=stale,
-                             free_gpus=self.free_gpus, keep_for=self._keeps)
+                             free_gpus=self.free_gpus, keep_for=self._keeps,
+                             apart=functools.partial(self._caps.is_capped, view),
+                             cap=self._cap_open)
         self._offered_to = {b: name for name, blocks in wanted.items() for b in blocks}
         self._since = {b: v for b, v in self._since.items() if b in self._offered_to}
         self._short = {name: None for name, blocks in wanted.items() if len(blocks) < OFFER_AHEAD}
         self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
         self._waiting, self._kept, self._kept_by = {}, {}, {}
+        self._capped_waiting = {}
         for bref in candidates:
             if bref not in self._offered_to:
                 self._wait(view, bref)
-        if self._kept:  # a node that gave its last block to a node with nothing (_share)
-            changed = {name: list(blocks) for name, blocks in wanted.items()}
+        if self._kept or self._capped_waiting:  # (kept: a node that gave its last block
+            changed = {name: list(blocks) for name, blocks in wanted.items()}  # away)
             self._fill_kept(view, changed)
+            self._fill_capped(view, changed)
             wanted = {name: tuple(blocks) for name, blocks in changed.items()}
+        if self._caps.given:
+            self._caps.keep_only(self._offered_to.keys() | self._capped_waiting.keys()
+                                 | self._kept_by.keys())
         if self._open_since:
             live = self._offered_to.keys() | self._kept_by.keys() | self._waiting.keys()
             self._open_since = {b: t for b, t in self._open_since.items() if b in live}
@@ -569,22 +590,30 @@ class Offers:
             node = self._offered_to.get(bref)
             rec = view.nodes.get(node) if node is not None else None
             if node is None:
-                waits = bref in self._waiting or bref in self._kept_by
+                waits = (bref in self._waiting or bref in self._kept_by
+                         or bref in self._capped_waiting or self._caps.is_penned(bref))
                 if not (claimable(view, bref) and _live(view, bref)):
                     self._unwait(bref)
+                    self._caps.drop(bref)
                 elif not waits:
                     self._wait(view, bref)
             elif rec is None or not (claimable(view, bref) and self._open(bref, rec)):
                 del self._offered_to[bref]
                 if claimable(view, bref) and _live(view, bref):
                     self._wait(view, bref)  # open still, to another node
+                else:
+                    self._caps.drop(bref)
                 blocks = changed.setdefault(node, list(self._written.get(node) or ()))
                 if bref in blocks:
                     blocks.remove(bref)
                 self._short[node] = None
                 self._full.pop(node, None)
         gave = self._review_kept(view, changed)
+        for bref in self._caps.released(view):  # slots of the caps freed
+            if claimable(view, bref) and _live(view, bref):
+                self._wait(view, bref)
         filled = self._fill_kept(view, changed)  # a donor for any node with nothing
+        self._fill_capped(view, changed)
         if self._waiting:
             for node in list(self._short):
                 blocks = changed.get(node, list(self._written.get(node) or ()))
@@ -599,6 +628,34 @@ class Offers:
         for node in gave:  # filled from the next round on, after the others took theirs
             self._short[node] = None
         return {name: tuple(blocks) for name, blocks in changed.items()}
+
+    def _fill_capped(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> None:
+        """Nodes short of offers with room take the blocks of capped experiments that
+        wait with a slot."""
+        for node in list(self._short):
+            if not self._capped_waiting:
+                return
+            if self._busy(view, node):
+                continue
+            blocks = changed.get(node, list(self._written.get(node) or ()))
+            self._fill(view, node, blocks)
+            changed[node] = blocks
+
+    def _cap_open(self, bref: BlockRef, node: NodeRecord) -> bool:
+        """``CapOpener``: a block of a capped experiment has a slot of the cap, and stays
+        with the node it is offered to; it is offered anew only by ``_fill``, to a node
+        with room for it (a slot of the cap given to a busy node would go unused)."""
+        if not self._caps.admit(self.agent.view, bref):
+            return False
+        holder = self._offered_to.get(bref)
+        return holder == node.name if holder is not None else self._filling
+
+    def _cap_room(self, view: MeshView, node: str, blocks: list[BlockRef]) -> int:
+        """Blocks of capped experiments ``node`` has room for beside its offer ``blocks``."""
+        if self._room is None:
+            self._room, self._preferred = self._free_slots(view), {}
+        return self._room.get(node, 0) - sum(
+            1 for b in blocks if self._caps.slot(b) is not None)
 
     def _fill_kept(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> bool:
         """Nodes short of offers take the blocks kept for them; whether one was filled
@@ -647,14 +704,32 @@ class Offers:
             return
         taken: list[BlockRef] = []
         gone: list[BlockRef] = []
-        for waiting in (self._kept.get(node, {}), self._waiting):  # its data's blocks first
-            for bref in waiting:
+        room: int | None = None  # for blocks of capped experiments, worked out once
+        for waiting in (self._kept.get(node, {}), self._waiting, self._capped_waiting):
+            for bref in waiting:  # its data's blocks first
                 if len(blocks) + len(taken) >= OFFER_AHEAD:
                     break
                 if not (claimable(view, bref) and _live(view, bref)):
                     gone.append(bref)
-                elif self._open(bref, rec):
+                    continue
+                capped = waiting is self._capped_waiting or self._caps.slot(bref) is not None
+                if capped:
+                    if room is None:
+                        room = self._cap_room(view, node, blocks)
+                    if room <= 0:
+                        continue
+                self._filling = capped
+                try:
+                    opened = self._open(bref, rec)
+                finally:
+                    self._filling = False
+                if opened:
                     taken.append(bref)
+                    if capped:
+                        assert room is not None
+                        room -= 1
+        for bref in gone:
+            self._caps.drop(bref)
         for bref in gone + taken:
             self._unwait(bref)
         for bref in taken:
@@ -675,9 +750,16 @@ class Offers:
             for bref in blocks:
                 if self._since.get(bref, ("", 0.0))[0] != name:
                     self._since[bref] = (name, now)
-            if self._written.get(name, view.offers.get(name, ((), 0))[0]) != blocks:
+            slots = tuple(self._caps.slot(b) for b in blocks)
+            before = self._written_slots.get(name)
+            if before is None:  # as a former leader wrote it, if it did
+                before = tuple(view.offered_slots.get((b.workflow, b.experiment), {}).get(b)
+                               for b in blocks)
+            if (self._written.get(name, view.offers.get(name, ((), 0))[0]) != blocks
+                    or before != slots):
                 out.append((name, blocks))
                 self._written[name] = blocks
+            self._written_slots[name] = slots
         if whole:
             for name in sorted(set(view.offers) | set(self._written)):
                 if name not in wanted and self._written.get(name, ()) is not None:
@@ -690,10 +772,15 @@ class Offers:
         etcd, ks = self.agent.etcd, self.agent.ks
         ops = [
             etcd.op_delete(ks.offer(name)) if blocks is None else etcd.op_put(
-                ks.offer(name),
-                dumps({"blocks": [[b.workflow, b.experiment, b.first] for b in blocks]}))
+                ks.offer(name), dumps({"blocks": [self._row(b) for b in blocks]}))
             for name, blocks in self.changes(time.monotonic())
         ]
         for i in range(0, len(ops), TXN_OPS):
             await etcd.txn([], ops[i:i + TXN_OPS])
         return len(ops)
+
+    def _row(self, bref: BlockRef) -> list[str | int]:
+        """A block as its offer lists it: with the slot of its experiment's cap, if any."""
+        slot = self._caps.slot(bref)
+        row: list[str | int] = [bref.workflow, bref.experiment, bref.first]
+        return row if slot is None else [*row, slot]

@@ -19,7 +19,7 @@ a decision taken on the state before the change is never written after it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypermesh.recipe.recipe import Experiment
 from hypermesh.state.blocks import block_size
@@ -95,8 +95,9 @@ def block_of(view: MeshView, wid: str, exp: Experiment) -> int | None:
         return written[min(written)]
     if sum(view.counts.get((wid, exp.name), {}).values()):
         return None  # written task by task already
-    if view.workers(wid, exp) is not None:
-        return None  # capped live before its expansion (hypermesh scale): slot keys
+    workers = view.workers(wid, exp)
+    if workers != exp.workers:  # capped live before its expansion (hypermesh scale)
+        exp = replace(exp, workers=workers)
     mesh_slots = sum(n.slots for n in view.nodes.values())
     return block_size(exp, view.target_count(wid, exp), mesh_slots)
 

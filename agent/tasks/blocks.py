@@ -88,6 +88,7 @@ class HeldBlock:
     releasing: bool = False  # start nothing more; give the block back once idle
     params: list[dict[str, Any]] | None = None  # read with the claim (``--watch own``)
     recovering: set[int] = field(default_factory=set)  # last attempt lost (``--watch own``)
+    slot: int | None = None  # the slot of its experiment's ``workers`` cap it holds
 
     @property
     def complete(self) -> bool:
@@ -132,6 +133,8 @@ def choose_block(
             exp = wf.recipe.experiment(name)
             if not allowed_on(exp, node):
                 continue
+            if view.workers(wf.id, exp) is not None and not view.free_block_slots(wf.id, exp):
+                continue  # its cap is reached (or its free slots are offered to others)
             placed = placement is not None and bool(exp.inputs)
             preferred = preference is not None and bool(exp.prefer_pools)
             want = LOOKAHEAD if placed or preferred else spread
@@ -290,19 +293,26 @@ class BlockDuty:
         attempts, failures, left, todo = _block_state(view, bref)
         if not todo:
             return None
+        slot: int | None = None
+        if view.workers(bref.workflow, exp) is not None:
+            free = view.free_block_slots(bref.workflow, exp)
+            if not free:
+                return None
+            slot = random.choice(free)  # nodes racing for the cap rarely want the same one
         try:
             fence = await claim_block(
                 agent.etcd, agent.ks, bref, agent.cfg.name, agent.lease, view.revision,
                 self.batch_key(bref), lost_entries(left, time.time()), refused=refused,
+                slot=slot,
             )
         except EtcdUnavailable:
-            agent.unsure.block(bref)  # written or not: read back when etcd is back
+            agent.unsure.block(bref, slot)  # written or not: read back when etcd is back
             raise
         if fence is None:
             return None
         self._wrote(fence)
         block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
-                          unfinished=set(todo))
+                          unfinished=set(todo), slot=slot)
         self.held[bref] = block
         lost = f"; {len(left)} attempts of its last holder lost" if left else ""
         agent.decide(f"claimed block {bref} ({len(todo)} tasks to run){lost}")
@@ -324,8 +334,16 @@ class BlockDuty:
                 or view.experiment_cancelled(bref.workflow, bref.experiment)
             ):
                 continue
+            if self.offered_slot(bref) is None and view.workers(
+                bref.workflow, view.workflows[bref.workflow].recipe.experiment(bref.experiment)
+            ) is not None:
+                continue  # capped: claimed only with the slot an offer gives it
             return bref
         return None
+
+    def offered_slot(self, bref: BlockRef) -> int | None:
+        """The slot of its experiment's ``workers`` cap this node's offer gives ``bref``."""
+        return self.agent.view.offered_slots.get((bref.workflow, bref.experiment), {}).get(bref)
 
     async def claim_offered(self, bref: BlockRef) -> HeldBlock | None:
         """Claim ``bref``, then read its block and batches from etcd (``--watch own``:
@@ -336,14 +354,15 @@ class BlockDuty:
         def refused(revision: int) -> None:
             self._passed[bref] = revision
 
+        slot = self.offered_slot(bref)
         try:
             fence = await claim_open_block(agent.etcd, agent.ks, bref, agent.cfg.name,
-                                           agent.lease, refused)
+                                           agent.lease, refused, slot)
             if fence is None:
                 return None
             kvs = await read_block(agent.etcd, agent.ks, bref)
         except EtcdUnavailable:
-            agent.unsure.block(bref)  # held or not: read back, given back when etcd is back
+            agent.unsure.block(bref, slot)  # held or not: read back, given back when etcd is back
             raise
         exp = agent.view.workflows[bref.workflow].recipe.experiment(bref.experiment)
         scratch = block_view(agent.ks, kvs)
@@ -351,7 +370,7 @@ class BlockDuty:
         params = [scratch.tasks.get(bref.task(i), {}).get("params", {})
                   for i in range(len(attempts))]
         block = HeldBlock(bref, fence, exp.retries, todo, attempts, failures,
-                          unfinished=set(todo), params=params)
+                          unfinished=set(todo), params=params, slot=slot)
         block.recovering = {index for index, *_ in left} | {
             index for index in todo if _last_reason(scratch, bref.task(index)) in LOST_REASONS}
         for entry in lost_entries(left, time.time()):
@@ -476,7 +495,8 @@ class BlockDuty:
         while True:
             try:
                 written = await flush_block(agent.etcd, agent.ks, block.ref, block.fence,
-                                           self.batch_key(block.ref), batch, release)
+                                           self.batch_key(block.ref), batch, release,
+                                           block.slot)
                 break
             except EtcdUnavailable as exc:
                 if agent.lease_is_lost or not agent.lease_fresh():

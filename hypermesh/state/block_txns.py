@@ -2,9 +2,11 @@
 
 - ``claim_block``: take a block nobody holds, provided no batch of it was written
   since the claimer's view (so the claimer knows every recorded outcome), and record
-  the attempts the last holder left running as lost, in the same transaction.
+  the attempts the last holder left running as lost, in the same transaction; for an
+  experiment with a ``workers`` cap, take a free slot of the cap (``bcap/``) with it.
 - ``flush_block``: write one batch of attempt records and results, fenced on the
-  claim's create revision; optionally release the claim in the same transaction.
+  claim's create revision; optionally release the claim (and its cap slot) in the
+  same transaction.
 - ``claim_open_block`` and ``read_block``: the claim of a node that does not watch the
   blocks (``agent start --watch own``): take a block nobody holds, then read what its
   batches say (``block_view``); they are all older than the claim, which fences every
@@ -54,19 +56,33 @@ async def claim_block(
     batch_key: str,
     lost: Sequence[AttemptEntry] = (),
     refused: Callable[[int], None] | None = None,
+    slot: int | None = None,
 ) -> int | None:
-    """Claim ``bref`` for ``node``; the claim's create revision (the fence of every later
-    batch), or None when someone holds it or wrote a batch the view has not seen (then
-    ``refused`` is told the revision etcd answered at)."""
+    """Claim ``bref`` for ``node`` (and slot ``slot`` of its experiment's ``workers``
+    cap, when given); the claim's create revision (the fence of every later batch), or
+    None when someone holds it (or the slot) or wrote a batch the view has not seen
+    (then ``refused`` is told the revision etcd answered at)."""
     compare = claimable(etcd, ks, bref, seen_revision)
     claim = {"node": node, "lease": lease, "started_at": time.time()}
     ops = [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)]
+    _take_slot(etcd, ks, bref, node, lease, slot, compare, ops)
     if lost:
         ops.append(etcd.op_put(batch_key, dumps(Batch(node, tuple(lost)).to_json())))
     done = await etcd.txn(compare, ops)
     if not done.succeeded and refused is not None:
         refused(done.revision)
     return done.revision if done.succeeded else None
+
+
+def _take_slot(etcd: Etcd, ks: Keyspace, bref: BlockRef, node: str, lease: int,
+               slot: int | None, compare: list[Any], ops: list[Any]) -> None:
+    """Add to a block claim's transaction the taking of cap slot ``slot`` (if any): it
+    must be free, and is held on the claimer's lease, as the claim is."""
+    if slot is None:
+        return
+    key = ks.block_slot(bref.workflow, bref.experiment, slot)
+    compare.append(etcd.absent(key))
+    ops.append(etcd.op_put(key, dumps({"node": node, "first": bref.first}), lease=lease))
 
 
 async def flush_block(
@@ -77,26 +93,33 @@ async def flush_block(
     batch_key: str,
     batch: Batch,
     release: bool = False,
+    slot: int | None = None,
 ) -> int | None:
     """Write ``batch`` while the claim made at revision ``fence`` is still in place
-    (and with ``release``, delete the claim); the revision, or None if it is gone."""
+    (and with ``release``, delete the claim and the cap slot ``slot`` it took with it);
+    the revision, or None if it is gone."""
     ops = [etcd.op_put(batch_key, dumps(batch.to_json()))]
     if release:
         ops.append(etcd.op_delete(ks.block_claim(bref)))
+        if slot is not None:
+            ops.append(etcd.op_delete(ks.block_slot(bref.workflow, bref.experiment, slot)))
     done = await etcd.txn([etcd.created_at(ks.block_claim(bref), fence)], ops)
     return done.revision if done.succeeded else None
 
 
 async def claim_open_block(
     etcd: Etcd, ks: Keyspace, bref: BlockRef, node: str, lease: int,
-    refused: Callable[[int], None] | None = None,
+    refused: Callable[[int], None] | None = None, slot: int | None = None,
 ) -> int | None:
-    """Claim ``bref`` for ``node`` if nobody holds it, whatever its batches say; the
-    claim's create revision, or None (then ``refused`` is told the revision etcd
-    answered at). The claimer learns the block's state with ``read_block`` next."""
+    """Claim ``bref`` for ``node`` (and cap slot ``slot``, when given) if nobody holds
+    it, whatever its batches say; the claim's create revision, or None (then
+    ``refused`` is told the revision etcd answered at). The claimer learns the block's
+    state with ``read_block`` next."""
     claim = {"node": node, "lease": lease, "started_at": time.time()}
-    done = await etcd.txn([etcd.absent(ks.block_claim(bref))],
-                          [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)])
+    compare = [etcd.absent(ks.block_claim(bref))]
+    ops = [etcd.op_put(ks.block_claim(bref), dumps(claim), lease=lease)]
+    _take_slot(etcd, ks, bref, node, lease, slot, compare, ops)
+    done = await etcd.txn(compare, ops)
     if not done.succeeded and refused is not None:
         refused(done.revision)
     return done.revision if done.succeeded else None

@@ -3,8 +3,8 @@
 Per-task keys cost about six etcd changes per task, each delivered to every agent's
 mirror; for short tasks that costs more than the tasks (``docs/batched-claims.md``).
 An experiment that qualifies (``why_not_batched``, a rule of the recipe language in
-``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs or has ``inputs``
-or ``prefer_pools`` too: ``block_size``)
+``hypermesh.recipe.recipe``; on a large mesh, one that asks for GPUs or has ``inputs``,
+``prefer_pools`` or a ``workers`` cap too: ``block_size``)
 is therefore written as *blocks* of up to ``MAX_BLOCK`` consecutive tasks (``block/``
 keys). A node claims a whole block (``bclaim/``, on its lease) in one transaction, runs
 its tasks in its own slots, and records their attempts
@@ -31,10 +31,12 @@ Pure: no I/O. The transactions are in ``hypermesh.state.block_txns``, the holder
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from hypermesh.recipe.recipe import MAX_BLOCK, Experiment, why_not_batched
+from hypermesh.state.keyspace import BlockRef
 
 TASKS_PER_SLOT = 4
 """An automatic block is about 1/TASKS_PER_SLOT of the tasks per slot of the mesh, so
@@ -55,8 +57,8 @@ def block_size(exp: Experiment, count: int, mesh_slots: int) -> int | None:
     per-task keys), else about ``count / (4 * slots)``, at most ``MAX_BLOCK``; below 2
     per-task keys on a small mesh, and on a mesh of ``LARGE_MESH_SLOTS`` blocks of 2 with
     2 tasks per slot, one-task blocks with fewer. There an experiment that asks for GPUs,
-    has ``inputs`` or ``prefer_pools``, and for nothing else that keeps per-task keys,
-    runs in one-task blocks too (``placed_per_block``)."""
+    has ``inputs``, ``prefer_pools`` or a ``workers`` cap, and for nothing else that keeps
+    per-task keys, runs in one-task blocks too (``placed_per_block``)."""
     if why_not_batched(exp) is not None:
         return 1 if mesh_slots >= LARGE_MESH_SLOTS and placed_per_block(exp) else None
     if exp.batch is not None:
@@ -78,12 +80,17 @@ def placed_per_block(exp: Experiment) -> bool:
     - ``inputs``: the leader offers the block to the node that holds most of its data,
       and keeps it for that node for the locality delay (``agent/leader/offers.py``);
     - ``prefer_pools``: the leader keeps it for a node of a preferred pool with room
-      for the pool delay.
+      for the pool delay;
+    - a ``workers`` cap: the block's claim takes a slot of the cap (``bcap/``) in the
+      same transaction, and gives it back with the claim, so that no more blocks run at
+      once than the cap allows (the leader offers each block with a free slot).
     """
-    if not (exp.hardware.gpus or exp.inputs or exp.prefer_pools) or exp.batch == 1:
+    if exp.batch == 1 or not (
+        exp.hardware.gpus or exp.inputs or exp.prefer_pools or exp.workers is not None
+    ):
         return False
     bare = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0),
-                   inputs=(), prefer_pools=())
+                   inputs=(), prefer_pools=(), workers=None)
     return why_not_batched(bare) is None
 
 
@@ -161,3 +168,48 @@ class Batch:
             results=tuple(ResultEntry.from_json(row) for row in data.get("r", ())),
             reopened=tuple((int(i), int(f)) for i, f in data.get("o", ())),
         )
+
+
+# ---------------------------------------------------------------- offers and cap slots
+class OfferTables:
+    """The mirror's tables of what the leader gives nodes that choose from offers: the
+    offers (``offer/<node>``), the slots of ``workers`` caps those offers give blocks,
+    and the slots one-task blocks hold (``bcap/``). Part of ``hypermesh.state.mirror.Mirror``
+    (which calls ``_init_offer_tables``), fed by its ``apply``."""
+
+    def _init_offer_tables(self) -> None:
+        # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
+        self.offers: dict[str, tuple[tuple[BlockRef, ...], int]] = {}
+        # The cap slots the offers give blocks of capped experiments, per experiment:
+        # block -> slot; and each node's, to undo when its offer changes.
+        self.offered_slots: dict[tuple[str, str], dict[BlockRef, int]] = defaultdict(dict)
+        self._offer_slot_rows: dict[str, list[BlockRef]] = {}
+        # Slots of ``workers`` caps held by one-task blocks (``bcap/``): slot -> block first.
+        self.block_slots: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
+
+    def _apply_offer(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        for bref in self._offer_slot_rows.pop(parts[0], ()):
+            bucket = self.offered_slots[(bref.workflow, bref.experiment)]
+            bucket.pop(bref, None)
+            if not bucket:
+                del self.offered_slots[(bref.workflow, bref.experiment)]
+        if data is None:
+            self.offers.pop(parts[0], None)
+            return
+        blocks: list[BlockRef] = []
+        for w, e, f, *slot in data["blocks"]:  # [workflow, experiment, first, cap slot?]
+            bref = BlockRef(str(w), str(e), int(f))
+            blocks.append(bref)
+            if slot:
+                self._offer_slot_rows.setdefault(parts[0], []).append(bref)
+                self.offered_slots[(bref.workflow, bref.experiment)][bref] = int(slot[0])
+        self.offers[parts[0]] = (tuple(blocks), mrev)
+
+    def _apply_bcap(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        key, k = (parts[0], parts[1]), int(parts[2])
+        if data is None:
+            self.block_slots[key].pop(k, None)
+            if not self.block_slots[key]:
+                del self.block_slots[key]
+        else:
+            self.block_slots[key][k] = int(data["first"])

@@ -41,7 +41,7 @@ PAGE_KEYS = 1000
 """Keys deleted per transaction: one watch message of about 100 bytes a key to every
 agent. Fewer: more revisions (and leader rounds) per workflow deleted."""
 
-RUNNING_KINDS = ("claim", "bclaim", "slot", "gang")
+RUNNING_KINDS = ("claim", "bclaim", "bcap", "slot", "gang")
 """Kinds purged first: what running attempts hold and fence their writes on."""
 
 

@@ -30,6 +30,10 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   create revision fences every batch the holder writes.
 - ``bdone/<wid>/<exp>/<first>/<lease hex>-<seq>``: a batch of attempt records and
   results of one block's tasks; by its holder, fenced by the ``bclaim`` create revision.
+- ``bcap/<wid>/<exp>/<k>``: slot k of the ``workers`` cap of an experiment in one-task
+  blocks (a large mesh), naming the block that holds it; on the holder's lease, written
+  and deleted with the block's claim (``hypermesh.state.block_txns``). Beside the other
+  block kinds, so a node that watches its own part never receives it.
 - ``gang/<wid>/<exp>/<index>/seat/<rank>``: a member's seat (rank) in the gang of a
   task of an experiment with ``nodes`` > 1; on the member's lease; by the member.
 - ``gang/<wid>/<exp>/<index>/rdv``: the running gang attempt's rendezvous (attempt,
@@ -223,6 +227,9 @@ class Keyspace:
     def block_batch(self, ref: BlockRef, lease: int, seq: int) -> str:
         return f"{self.root}bdone/{ref.path}/{lease:016x}-{seq:010d}"
 
+    def block_slot(self, wid: str, experiment: str, k: int) -> str:
+        return f"{self.root}bcap/{wid}/{experiment}/{k}"
+
     def experiment_control(self, wid: str, experiment: str) -> str:
         return f"{self.root}expctl/{wid}/{experiment}"
 
@@ -234,13 +241,13 @@ class Keyspace:
 
     def own_ranges(self, node: str) -> list[tuple[str, str]]:
         """The key ranges ``[start, end)`` a node that chooses blocks from its offers
-        watches: the namespace but the three block kinds (which sort together, from
-        ``bclaim/`` to ``block/``), the other nodes' offers and the progress summaries
+        watches: the namespace but the four block kinds (which sort together, from
+        ``bcap/`` to ``block/``), the other nodes' offers and the progress summaries
         (for the CLI; the leader writes them every second). What a task of a block
         costs such a node is then its own claim and flushes, whatever the mesh's size."""
         # "x0" ends the prefix "x/" ("0" follows "/"); "k\0" ends the key "k" alone.
         r, mine = self.root, self.offer(node)
-        return [(r, f"{r}bclaim/"), (f"{r}block0", f"{r}offer/"), (mine, mine + "\0"),
+        return [(r, f"{r}bcap/"), (f"{r}block0", f"{r}offer/"), (mine, mine + "\0"),
                 (f"{r}offer0", f"{r}progress/"), (f"{r}progress0", r[:-1] + "0")]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
@@ -267,7 +274,7 @@ class Keyspace:
         """Every prefix (ending in ``/``) and exact key holding keys of workflow ``wid``
         (for reading or deleting it: ``hypermesh/state/cleanup.py`` deletes them all)."""
         kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
-                 "gang", "block", "bclaim", "bdone")
+                 "gang", "block", "bclaim", "bdone", "bcap")
         exact = [self.workflow(wid), self.workflow_state(wid), self.progress(wid),
                  self.workflow_usage(wid)]
         return exact + [

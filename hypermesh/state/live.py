@@ -123,12 +123,13 @@ async def scale_experiment(
     Returns the cap it had before."""
     if workers is not None and workers < 0:
         raise UsageError(f"--workers must be 0 or more (or 'none'), not {workers}")
-    batched, _ = await etcd.get_prefix(f"{ks.kind_prefix('block', wid)}{experiment}/")
-    if batched:
+    blocks, _ = await etcd.get_prefix(f"{ks.kind_prefix('block', wid)}{experiment}/")
+    several = any(len(json.loads(kv.value).get("params", ())) != 1 for kv in blocks)
+    if several:
         raise UsageError(
-            f"experiment {experiment} of {wid} runs in blocks (hypermesh/state/blocks.py), which "
-            "take no workers cap; give it 'batch: 1' or a 'workers' cap in the recipe to "
-            "scale it live"
+            f"experiment {experiment} of {wid} runs in blocks of several tasks "
+            "(hypermesh/state/blocks.py), which take no workers cap; give it 'batch: 1' or a "
+            "'workers' cap in the recipe to scale it live"
         )
     before: list[int | None] = []
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hypermesh.errors import HypermeshError
-from hypermesh.state.blocks import Batch
+from hypermesh.state.blocks import Batch, OfferTables
 from hypermesh.state.folding import (
     AttemptKey,
     FoldedBlock,
@@ -64,7 +64,7 @@ _BLOCK_KINDS = frozenset({"block", "bclaim", "bdone"})
 _PLAN_KINDS = frozenset({"node", "wf", "wfstate", "expctl", "expanded"})
 
 
-class Mirror:
+class Mirror(OfferTables):
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
     Only the owner of the mirror (one agent task, or the CLI) calls ``apply``,
@@ -115,8 +115,7 @@ class Mirror:
         self.usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
-        # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
-        self.offers: dict[str, tuple[tuple[BlockRef, ...], int]] = {}
+        self._init_offer_tables()
         # For the leader's offer planning (agent/leader/offers.py): the blocks whose keys
         # changed since it last looked (kept only while it sets a set here), and a count
         # of the changes to nodes and workflows, after which it plans everything again.
@@ -128,6 +127,7 @@ class Mirror:
         # Claim whose revision is the block claim's create revision, the fence).
         self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
         self.block_claims: dict[BlockRef, Claim] = {}
+        self.block_claim_counts: Counter[tuple[str, str]] = Counter()  # held, per experiment
         self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
         # Per block, bdone key -> (revision, its value): parsed again only to undo it.
         self._batches: dict[BlockRef, dict[str, tuple[int, Any]]] = defaultdict(dict)
@@ -202,13 +202,6 @@ class Mirror:
             self.nodes[parts[0]] = NodeRecord.from_json(data)
             if parts[0] in self.instances:
                 self.booted.add(parts[0])
-
-    def _apply_offer(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
-        if data is None:
-            self.offers.pop(parts[0], None)
-        else:
-            blocks = tuple(BlockRef(str(w), str(e), int(f)) for w, e, f in data["blocks"])
-            self.offers[parts[0]] = (blocks, mrev)
 
     def _apply_elect(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         if data is None:
@@ -402,9 +395,15 @@ class Mirror:
             if data is None:
                 return  # nothing of it is shown running
             self.unfold(bref)
+        key = (bref.workflow, bref.experiment)
         if data is None:
-            self.block_claims.pop(bref, None)
+            if self.block_claims.pop(bref, None) is not None:
+                self.block_claim_counts[key] -= 1
+                if not self.block_claim_counts[key]:
+                    del self.block_claim_counts[key]
         else:
+            if bref not in self.block_claims:
+                self.block_claim_counts[key] += 1
             self.block_claims[bref] = Claim(
                 node=str(data["node"]),
                 attempt=0,

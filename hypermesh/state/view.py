@@ -105,6 +105,25 @@ class MeshView(Mirror):
         control = self.control(wid, exp.name)
         return control.workers if control.workers_set else exp.workers
 
+    def free_block_slots(self, wid: str, exp: Experiment, offered: bool = True) -> list[int]:
+        """The slots of the ``workers`` cap of ``exp`` (one-task blocks on a large mesh,
+        ``hypermesh.state.blocks.block_size``) that a block of it may claim now: below the
+        cap, held by no block (``bcap/``) and, with ``offered``, given to none in the
+        leader's offers; no more than the cap has room for above the blocks held now (a
+        cap lowered live counts the blocks running above it, or with no slot)."""
+        workers = self.workers(wid, exp)
+        if workers is None:
+            return []
+        key = (wid, exp.name)
+        taken = self.block_slots.get(key, {})
+        assigned = {k for k in self.offered_slots.get(key, {}).values() if k not in taken}
+        room = workers - max(len(taken), self.block_claim_counts[key]) - (
+            len(assigned) if offered else 0)
+        if room <= 0:
+            return []
+        busy = taken.keys() | assigned if offered else taken.keys()
+        return list(islice((k for k in range(workers) if k not in busy), room))
+
     def target_count(self, wid: str, exp: Experiment) -> int:
         """How many tasks the experiment is to have: the recipe's plus those added live."""
         return planned_count(exp) + self.control(wid, exp.name).extra_samples

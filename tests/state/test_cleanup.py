@@ -43,7 +43,7 @@ def every_key(ks: Keyspace, wid: str) -> list[str]:
         ks.experiment_control(wid, "e"), ks.slot(wid, "e", 0), ks.claim(ref),
         ks.attempt(ref, 1), ks.result(ref), ks.metrics(ref, 1), ks.gang_seat(ref, 0),
         ks.gang_rendezvous(ref), ks.gang_end(ref, 1, 0), ks.block(block),
-        ks.block_claim(block), ks.block_batch(block, 1, 1),
+        ks.block_claim(block), ks.block_batch(block, 1, 1), ks.block_slot(wid, "e", 0),
         *(ks.task(TaskRef(wid, "e", i)) for i in range(TASKS)),
     ]
 
@@ -94,7 +94,7 @@ def test_every_key_goes_in_pages_and_nothing_of_a_longer_id(etcd_server: EtcdSer
 
 def test_running_work_is_purged_first_and_markers_last() -> None:
     order = [p.split("/")[-3] for p in purge_order(Keyspace("t"), "w")]
-    assert order[:4] == ["claim", "bclaim", "slot", "gang"]
+    assert order[:5] == ["claim", "bclaim", "bcap", "slot", "gang"]
     assert order[-1] == "expanded"
     assert sorted(order) == sorted(p.split("/")[-3] for p in Keyspace("t").workflow_prefixes("w")
                                    if p.endswith("/"))

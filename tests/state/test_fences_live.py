@@ -417,3 +417,19 @@ def test_a_batched_experiment_is_not_scaled(etcd_server: EtcdServer) -> None:
             assert await state_of(etcd, ks, wid) == state
 
     run(scenario())
+
+
+def test_an_experiment_in_one_task_blocks_is_scaled(etcd_server: EtcdServer) -> None:
+    """One-task blocks (a large mesh) take slots of a cap with their claims: ``scale``
+    writes the cap, as for tasks written one by one."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, seen = await running(etcd, ks)
+            assert await expand_experiment(etcd, ks, wid, "a", BLOCK_PARAMS, seen, block=1)
+            assert await scale_experiment(etcd, ks, wid, "a", 1) is None
+            got = await etcd.get(ks.experiment_control(wid, "a"))
+            assert got is not None and json.loads(got[0])["workers"] == 1
+
+    run(scenario())

@@ -79,7 +79,13 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         ("hardware: {gpus: 1}", 100_000, 256, 1),  # ... never more: none waits on a GPU
         ("hardware: {gpu_memory: 4GiB}", 100, 64, 1),
         ("hardware: {gpus: 1}\nbatch: 1", 100, 64, None),  # the recipe's choice
-        ("hardware: {gpus: 1}\nworkers: 2", 100, 64, None),  # GPUs are not all it asks
+        ("hardware: {gpus: 1}\nworkers: 2", 100, 64, 1),  # its claims take slots of the cap
+        ("hardware: {gpus: 1}\nworkers: 2\nnodes: 2", 100, 64, None),  # a gang: per task
+        ("workers: 2", 100, 16, None),  # a workers cap: per-task keys on a small mesh
+        ("workers: 2", 100_000, 64, 1),  # one-task blocks on a large one, never more
+        ("workers: 2\nbatch: 1", 100, 64, None),
+        ("workers: 2\nsampling: tpe\nparameters: {lr: {range: [0, 1]}}\n"
+         "objective: {metric: loss, goal: minimize}", 100, 64, None),  # adaptive: per trial
         ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, 1),
         ("prefer_pools: [a]", 100, 16, None),  # prefer_pools: per-task keys on a small mesh
         ("prefer_pools: [a]", 100, 64, 1),  # one-task blocks on a large one
@@ -88,19 +94,20 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         (INPUTS, 100_000, 64, 1),  # one-task blocks on a large one, placed by the leader
         (f"{INPUTS}\nhardware: {{gpus: 1}}", 100, 64, 1),
         (f"{INPUTS}\nbatch: 1", 100, 64, None),
-        (f"{INPUTS}\nworkers: 2", 100, 64, None),
+        (f"{INPUTS}\nworkers: 2", 100, 64, 1),
     ],
 )
-def test_gpu_input_and_pool_experiments_run_in_one_task_blocks_on_a_large_mesh(
+def test_gpu_input_pool_and_capped_experiments_run_in_one_task_blocks_on_a_large_mesh(
     extra: str, count: int, slots: int, size: int | None
 ) -> None:
     exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
     assert block_size(exp, count, slots) == size
 
 
-def test_a_capped_experiment_is_never_batched_even_when_asked() -> None:
+def test_a_capped_experiment_is_in_blocks_of_one_task_at_most() -> None:
+    # Several tasks of a block run at once in its holder's slots: no cap could hold them.
     assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 5000, 4) is None
-    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 50, 256) is None
+    assert block_size(one_experiment("command: 'true'\nworkers: 2\n"), 50_000, 256) == 1
 
 
 def test_batch_field_errors_name_the_field_and_line() -> None:
@@ -401,6 +408,74 @@ def test_block_claims_and_batches_are_fenced(etcd_server: EtcdServer) -> None:
             assert view.results[ref].attempt == 2
 
     asyncio.run(main())
+
+
+def test_a_capped_blocks_claim_takes_a_free_slot_and_its_release_gives_it_back(
+    etcd_server: EtcdServer,
+) -> None:
+    async def main() -> None:
+        ks = Keyspace("capped")
+        first, second = BlockRef("w", "e", 0), BlockRef("w", "e", 1)
+        slot = ks.block_slot("w", "e", 0)
+        async with Etcd([etcd_server.url.split("//")[1]]) as etcd:
+            lease_a = await etcd.grant(30)
+            lease_b = await etcd.grant(30)
+            fence = await claim_block(etcd, ks, first, "a", lease_a, 0,
+                                      ks.block_batch(first, lease_a, 1), slot=0)
+            assert fence is not None
+            got = await etcd.get(slot)
+            assert got is not None and got[0] == dumps({"node": "a", "first": 0})
+            # Another block with the same slot is refused, and nothing of it is written.
+            assert await claim_block(etcd, ks, second, "b", lease_b, 0,
+                                     ks.block_batch(second, lease_b, 1), slot=0) is None
+            assert await etcd.get(ks.block_claim(second)) is None
+            done = Batch("a", (), (ResultEntry(0, "succeeded", 1, 0, 1.0),))
+            assert await flush_block(etcd, ks, first, fence, ks.block_batch(first, lease_a, 2),
+                                     done, release=True, slot=0) is not None
+            assert await etcd.get(slot) is None and await etcd.get(ks.block_claim(first)) is None
+            # Freed: the other block takes it. Its holder's lease ends: both keys go.
+            assert await claim_block(etcd, ks, second, "b", lease_b, 0,
+                                     ks.block_batch(second, lease_b, 2), slot=0) is not None
+            await etcd.revoke(lease_b)
+            assert await etcd.get(slot) is None and await etcd.get(ks.block_claim(second)) is None
+
+    asyncio.run(main())
+
+
+def test_a_node_that_chooses_blocks_itself_keeps_a_capped_experiment_within_its_cap() -> None:
+    feed = Feed()
+    feed.workflow("w", TRIVIAL.replace("samples: 10", "samples: 4\n    workers: 2"),
+                  state="running")
+    b = [feed_block(feed, "w", first, 1) for first in range(4)]
+    feed.put(feed.ks.expanded("w", "e"), {"count": 4})
+    view, me = feed.view, NodeRecord("n1", "a:1", slots=8)
+    exp = view.workflows["w"].recipe.experiment("e")
+    assert view.free_block_slots("w", exp) == [0, 1]
+    assert choose_block(view, me, set()) == b[0]
+
+    def hold(bref: BlockRef, slot: int | None) -> None:
+        feed.put(feed.ks.block_claim(bref), {"node": "n1", "lease": 1})
+        if slot is not None:
+            feed.put(feed.ks.block_slot("w", "e", slot), {"node": "n1", "first": bref.first})
+
+    hold(b[0], 1)
+    assert view.free_block_slots("w", exp) == [0]
+    assert choose_block(view, me, set()) == b[1]
+    # The leader offers b[1] to n2 with slot 0: no slot is left to take here.
+    feed.put(feed.ks.offer("n2"), {"blocks": [["w", "e", 1, 0]]})
+    assert view.free_block_slots("w", exp) == [] and choose_block(view, me, set()) is None
+    assert view.free_block_slots("w", exp, offered=False) == [0]
+    feed.delete(feed.ks.offer("n2"))
+    feed.delete(feed.ks.block_claim(b[0]))
+    feed.delete(feed.ks.block_slot("w", "e", 1))
+    assert view.free_block_slots("w", exp) == [0, 1]
+    # A cap set or lowered live counts the blocks held with no slot (claimed uncapped).
+    hold(b[1], None)
+    hold(b[2], None)
+    feed.put(feed.ks.experiment_control("w", "e"), {"workers": 3, "workers_set": True})
+    assert view.free_block_slots("w", exp) == [0]
+    feed.put(feed.ks.experiment_control("w", "e"), {"workers": 1, "workers_set": True})
+    assert view.free_block_slots("w", exp) == [] and choose_block(view, me, set()) is None
 
 
 def _block_events(rng: random.Random, ks: Keyspace) -> list[tuple[str, dict | None]]:
