@@ -150,10 +150,14 @@ class CapSlots:
         out: list[BlockRef] = []
         for key in list(self.penned):
             pen = self.penned[key]
-            if _workers(view, key) is None:  # its workflow is gone, or the cap was lifted
+            workers = _workers(view, key)
+            if workers is None:  # its workflow is gone, or the cap was lifted
                 del self.penned[key]
                 out.extend(pen)
                 continue
+            held = max(len(view.block_slots.get(key, ())), view.block_claim_counts[key])
+            if key not in self._budgets and workers - held <= len(self.given.get(key, ())):
+                continue  # no room (what was given stands until a block of it changes)
             while pen:
                 bref = next(iter(pen))
                 if not self.admit(view, bref):

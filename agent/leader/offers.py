@@ -292,6 +292,7 @@ class Offers:
         self._caps = CapSlots()
         self._capped_waiting: dict[BlockRef, None] = {}
         self._filling = False  # a node with room for capped blocks is being filled
+        self._roomy: dict[str, None] = {}  # nodes that may have room for capped blocks
         self._written_slots: dict[str, tuple[int | None, ...]] = {}
         self._takers_epoch = -1
         self._any_taker = False
@@ -337,6 +338,7 @@ class Offers:
         self._pool_kept.clear()
         self._epoch = -1
         self.agent.view.offer_blocks = None  # a follower's view need not keep them
+        self.agent.view.load_dropped.clear()
 
     def wanted(self) -> bool:
         """Whether any node chooses from offers, or offers are left to delete."""
@@ -559,6 +561,7 @@ class Offers:
         self._full = {name: None for name, blocks in wanted.items() if len(blocks) >= OFFER_AHEAD}
         self._waiting, self._kept, self._kept_by = {}, {}, {}
         self._capped_waiting = {}
+        self._roomy = dict.fromkeys(wanted)
         for bref in candidates:
             if bref not in self._offered_to:
                 self._wait(view, bref)
@@ -606,7 +609,7 @@ class Offers:
                 blocks = changed.setdefault(node, list(self._written.get(node) or ()))
                 if bref in blocks:
                     blocks.remove(bref)
-                self._short[node] = None
+                self._mark_short(node)
                 self._full.pop(node, None)
         gave = self._review_kept(view, changed)
         for bref in self._caps.released(view):  # slots of the caps freed
@@ -626,20 +629,32 @@ class Offers:
             self._share(view, changed, filled)
             self._fill_kept(view, changed)  # a donor may have blocks kept for it
         for node in gave:  # filled from the next round on, after the others took theirs
-            self._short[node] = None
+            self._mark_short(node)
         return {name: tuple(blocks) for name, blocks in changed.items()}
+
+    def _mark_short(self, node: str) -> None:
+        self._short[node] = None
+        self._roomy[node] = None
 
     def _fill_capped(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> None:
         """Nodes short of offers with room take the blocks of capped experiments that
-        wait with a slot."""
-        for node in list(self._short):
+        wait with a slot. Only the nodes that may have room are looked at (``_roomy``:
+        every node at a whole plan, then those whose load fell or whose offer shrank,
+        and those left with room when no such block was left), so a round costs what
+        changed, not the size of the mesh."""
+        self._roomy.update(dict.fromkeys(view.load_dropped))
+        view.load_dropped.clear()
+        for node in list(self._roomy):
             if not self._capped_waiting:
                 return
-            if self._busy(view, node):
-                continue
+            del self._roomy[node]
             blocks = changed.get(node, list(self._written.get(node) or ()))
+            if node not in self._short or self._cap_room(view, node, blocks) <= 0:
+                continue  # looked at again once its offer shrinks or its load falls
             self._fill(view, node, blocks)
             changed[node] = blocks
+            if node in self._short and self._cap_room(view, node, blocks) > 0:
+                self._roomy[node] = None  # room left: no capped block waits any more
 
     def _cap_open(self, bref: BlockRef, node: NodeRecord) -> bool:
         """``CapOpener``: a block of a capped experiment has a slot of the cap, and stays
@@ -651,11 +666,13 @@ class Offers:
         return holder == node.name if holder is not None else self._filling
 
     def _cap_room(self, view: MeshView, node: str, blocks: list[BlockRef]) -> int:
-        """Blocks of capped experiments ``node`` has room for beside its offer ``blocks``."""
-        if self._room is None:
-            self._room, self._preferred = self._free_slots(view), {}
-        return self._room.get(node, 0) - sum(
-            1 for b in blocks if self._caps.slot(b) is not None)
+        """Blocks of capped experiments ``node`` has room for beside its offer ``blocks``:
+        its slots, less the tasks it runs (or the blocks it holds, if more)."""
+        rec = view.nodes.get(node)
+        if rec is None or rec.state != "alive" or not self.alive(node):
+            return 0
+        held = max(view.node_running[node], view.node_blocks[node])
+        return rec.slots - held - sum(1 for b in blocks if self._caps.slot(b) is not None)
 
     def _fill_kept(self, view: MeshView, changed: dict[str, list[BlockRef]]) -> bool:
         """Nodes short of offers take the blocks kept for them; whether one was filled
@@ -692,7 +709,7 @@ class Offers:
                 changed[donor], changed[node] = given, [bref]
                 self._offered_to[bref] = node
                 self._full.pop(donor, None)
-                self._short[donor] = None
+                self._mark_short(donor)
                 break
 
     def _fill(self, view: MeshView, node: str, blocks: list[BlockRef]) -> None:
@@ -719,10 +736,7 @@ class Offers:
                     if room <= 0:
                         continue
                 self._filling = capped
-                try:
-                    opened = self._open(bref, rec)
-                finally:
-                    self._filling = False
+                opened, self._filling = self._open(bref, rec), False
                 if opened:
                     taken.append(bref)
                     if capped:

@@ -31,7 +31,7 @@ Pure: no I/O. The transactions are in ``hypermesh.state.block_txns``, the holder
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -174,8 +174,10 @@ class Batch:
 class OfferTables:
     """The mirror's tables of what the leader gives nodes that choose from offers: the
     offers (``offer/<node>``), the slots of ``workers`` caps those offers give blocks,
-    and the slots one-task blocks hold (``bcap/``). Part of ``hypermesh.state.mirror.Mirror``
-    (which calls ``_init_offer_tables``), fed by its ``apply``."""
+    the slots one-task blocks hold (``bcap/``), and the counts of what is held (per
+    experiment and per node), kept by the mirror as claims come and go. Part of
+    ``hypermesh.state.mirror.Mirror`` (which calls ``_init_offer_tables``), fed by its
+    ``apply``."""
 
     def _init_offer_tables(self) -> None:
         # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
@@ -186,6 +188,12 @@ class OfferTables:
         self._offer_slot_rows: dict[str, list[BlockRef]] = {}
         # Slots of ``workers`` caps held by one-task blocks (``bcap/``): slot -> block first.
         self.block_slots: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)
+        self.block_claim_counts: Counter[tuple[str, str]] = Counter()  # held, per experiment
+        # Per node: the tasks it runs (claims) and the blocks it holds; and, while the
+        # leader plans offers (``offer_blocks`` set), the nodes either count fell for.
+        self.node_running: Counter[str] = Counter()
+        self.node_blocks: Counter[str] = Counter()
+        self.load_dropped: set[str] = set()
 
     def _apply_offer(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         for bref in self._offer_slot_rows.pop(parts[0], ()):

@@ -127,7 +127,6 @@ class Mirror(OfferTables):
         # Claim whose revision is the block claim's create revision, the fence).
         self.blocks: dict[tuple[str, str], dict[int, int]] = defaultdict(dict)  # first -> size
         self.block_claims: dict[BlockRef, Claim] = {}
-        self.block_claim_counts: Counter[tuple[str, str]] = Counter()  # held, per experiment
         self._block_indices: dict[BlockRef, set[int]] = defaultdict(set)  # with attempts
         # Per block, bdone key -> (revision, its value): parsed again only to undo it.
         self._batches: dict[BlockRef, dict[str, tuple[int, Any]]] = defaultdict(dict)
@@ -305,20 +304,37 @@ class Mirror(OfferTables):
             self.tasks[ref] = data
         self._refresh_open(ref, before)
 
+    def _count(self, table: Counter[Any], key: Any, delta: int) -> None:
+        """Change a count kept per experiment, or per node (keyed by its name)."""
+        table[key] += delta
+        if table[key] <= 0:
+            del table[key]
+        if delta < 0 and self.offer_blocks is not None and isinstance(key, str):
+            self.load_dropped.add(key)
+
+    def _set_claim(self, ref: TaskRef, claim: Claim | None) -> None:
+        old = self.claims.pop(ref, None) if claim is None else self.claims.get(ref)
+        if claim is not None:
+            self.claims[ref] = claim
+        if old is None or claim is None or old.node != claim.node:
+            for c, delta in ((old, -1), (claim, 1)):
+                if c is not None:
+                    self._count(self.node_running, c.node, delta)
+
     def _apply_claim(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         ref = self._ref(parts)
         before = self._raw_state(ref)
         if data is None:
-            self.claims.pop(ref, None)
+            self._set_claim(ref, None)
         else:
-            self.claims[ref] = Claim(
+            self._set_claim(ref, Claim(
                 node=data["node"],
                 attempt=int(data["attempt"]),
                 slot=data.get("slot"),
                 lease=int(data.get("lease", 0)),
                 started_at=float(data.get("started_at", 0.0)),
                 revision=mrev,
-            )
+            ))
         self._refresh_open(ref, before)
 
     def _apply_attempt(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
@@ -396,14 +412,13 @@ class Mirror(OfferTables):
                 return  # nothing of it is shown running
             self.unfold(bref)
         key = (bref.workflow, bref.experiment)
-        if data is None:
-            if self.block_claims.pop(bref, None) is not None:
-                self.block_claim_counts[key] -= 1
-                if not self.block_claim_counts[key]:
-                    del self.block_claim_counts[key]
-        else:
-            if bref not in self.block_claims:
-                self.block_claim_counts[key] += 1
+        old = self.block_claims.pop(bref, None)
+        if old is not None:
+            self._count(self.block_claim_counts, key, -1)
+            self._count(self.node_blocks, old.node, -1)
+        if data is not None:
+            self._count(self.block_claim_counts, key, 1)
+            self._count(self.node_blocks, str(data["node"]), 1)
             self.block_claims[bref] = Claim(
                 node=str(data["node"]),
                 attempt=0,
@@ -597,10 +612,11 @@ class Mirror(OfferTables):
         if latest is not None and latest.state == "running" and holder is not None and (
             holder.node == latest.node and ref not in self.results
         ):
-            self.claims[ref] = Claim(latest.node, latest.attempt, None, holder.lease,
-                                     latest.started_at or holder.started_at, holder.revision)
+            self._set_claim(ref, Claim(latest.node, latest.attempt, None, holder.lease,
+                                       latest.started_at or holder.started_at,
+                                       holder.revision))
         else:
-            self.claims.pop(ref, None)
+            self._set_claim(ref, None)
 
     # ------------------------------------------------------------------ folding
     def fold_settled(self) -> None:

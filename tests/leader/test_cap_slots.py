@@ -11,7 +11,7 @@ import pytest
 
 from hypermesh.agent.leader.offers import OFFER_AHEAD, Offers, claimable
 from hypermesh.state.blocks import Batch, ResultEntry
-from hypermesh.state.keyspace import BlockRef
+from hypermesh.state.keyspace import BlockRef, TaskRef
 from hypermesh.state.records import NodeRecord
 from tests.leader.test_offers import offers_of
 from tests.state.test_model import Feed
@@ -216,3 +216,20 @@ def test_blocks_waiting_for_the_cap_are_dropped_with_their_workflow() -> None:
     publish(feed, offers, 0.2, written)
     publish(feed, offers, 0.3, written)
     assert written == {"n1": ()} and not offers._caps.penned and not offers._caps.given
+
+
+def test_the_mirror_counts_what_each_node_runs_and_holds() -> None:
+    feed, b = capped_feed(3, 4, {"n1": 2})
+    view = feed.view
+    ref = feed.ks.claim(TaskRef("w", "other", 0))
+    feed.put(ref, {"node": "n1", "attempt": 1, "lease": 1})
+    feed.put(ref, {"node": "n1", "attempt": 1, "lease": 1})  # the same claim again
+    assert claim_with(feed, b[0], "n1", 0)
+    assert (view.node_running["n1"], view.node_blocks["n1"]) == (1, 1)
+    assert view.block_claim_counts[("w", "e")] == 1
+    feed.delete(ref)  # no leader plans offers here: nobody is told
+    assert view.node_running["n1"] == 0 and view.load_dropped == set()
+    view.offer_blocks = set()  # a leader's view: a node whose load fell is noted
+    end(feed, b[0], done=True)
+    assert view.node_blocks["n1"] == 0 and view.load_dropped == {"n1"}
+    assert view.block_claim_counts[("w", "e")] == 0
