@@ -67,6 +67,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "name: chaos\nexperiments:\n  work:\n"
             f"    samples: {opts.tasks}\n"
             + (f"    batch: {opts.batch}\n" if opts.batch else "")
+            + (f"    workers: {opts.workers}\n" if opts.workers else "")
             + f"    command: ['sleep {opts.task_seconds}']\n"
         )
         submitted = subprocess.run(
@@ -117,7 +118,9 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         ]
         stuck = [t["id"] for t in tasks if t["state"] != "succeeded"]
         lost = sum(1 for t in tasks for a in t["attempts"] if a["reason"] == "node-lost")
-        ok = state == "succeeded" and once == opts.tasks and not doubled and not stuck
+        peak = most_at_once(tasks)
+        ok = state == "succeeded" and once == opts.tasks and not doubled and not stuck and (
+            not opts.workers or peak <= opts.workers)
         return {
             "workflow": wid,
             "state": state,
@@ -128,6 +131,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             "not_succeeded": stuck[:20],
             "not_succeeded_count": len(stuck),
             "node_lost_attempts": lost,
+            "most_at_once": peak,
             "kills": kills,
             "leader_kills": sum(k["leader"] for k in kills),
             "ok": ok,
@@ -138,6 +142,19 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
         else:  # the agents' logs and work directories, to see what went wrong
             print(f"chaos: work directory kept at {root}", file=sys.stderr)
+
+
+def most_at_once(tasks: list[dict[str, Any]]) -> int:
+    """The most attempts that ran at one instant, from their recorded starts and ends;
+    attempts closed as lost are left out (a later holder records their end, after the
+    attempt that replaced them started)."""
+    spans = [(a["started_at"], a["ended_at"]) for t in tasks for a in t["attempts"]
+             if a["reason"] != "node-lost" and a["started_at"] and a["ended_at"]]
+    level = most = 0
+    for _, delta in sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans]):
+        level += delta
+        most = max(most, level)
+    return most
 
 
 def main() -> int:
@@ -157,6 +174,9 @@ def main() -> int:
         "--batch", type=int, default=None,
         help="tasks per block (1: per-task keys; default: chosen by the leader)",
     )
+    parser.add_argument("--workers", type=int, default=None,
+                        help="the experiment's workers cap; the run fails if more of its "
+                        "attempts than that ran at once")
     parser.add_argument("--watch", choices=("all", "own", "auto"), default="all",
                         help="the agents' --watch (own: blocks from the leader's offers)")
     opts = parser.parse_args()
