@@ -23,7 +23,7 @@ from hypermesh.state.keyspace import BlockRef
 if TYPE_CHECKING:
     from hypermesh.state.view import MeshView
 
-Experiment = tuple[str, str]  # (workflow, experiment)
+ExpKey = tuple[str, str]  # (workflow, experiment)
 
 
 @dataclass
@@ -42,7 +42,7 @@ def capped(view: MeshView, bref: BlockRef) -> bool:
     return _workers(view, (bref.workflow, bref.experiment)) is not None
 
 
-def _workers(view: MeshView, key: Experiment) -> int | None:
+def _workers(view: MeshView, key: ExpKey) -> int | None:
     """The cap of experiment ``key`` now; None without one, or once its workflow is gone."""
     wf = view.workflows.get(key[0])
     return None if wf is None else view.workers(key[0], wf.recipe.experiment(key[1]))
@@ -53,10 +53,10 @@ class CapSlots:
     (:meth:`begin` starts one)."""
 
     def __init__(self) -> None:
-        self.given: dict[Experiment, dict[BlockRef, int]] = {}
-        self.penned: dict[Experiment, dict[BlockRef, None]] = {}
-        self._budgets: dict[Experiment, _Budget] = {}
-        self._capped: dict[Experiment, bool] = {}
+        self.given: dict[ExpKey, dict[BlockRef, int]] = {}
+        self.penned: dict[ExpKey, dict[BlockRef, None]] = {}
+        self._budgets: dict[ExpKey, _Budget] = {}
+        self._capped: dict[ExpKey, bool] = {}
 
     def begin(self) -> None:
         """A new round: the budgets are worked out again from the view."""
@@ -114,7 +114,7 @@ class CapSlots:
         self.given.setdefault(key, {})[bref] = k
         return True
 
-    def _budget(self, view: MeshView, key: Experiment) -> _Budget:
+    def _budget(self, view: MeshView, key: ExpKey) -> _Budget:
         """The cap of ``key`` this round: its slots held by blocks (``bcap/``), the
         blocks held (a cap lowered live, or set on blocks claimed without one, counts
         them all), and the slots given before that still stand."""

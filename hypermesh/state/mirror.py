@@ -413,14 +413,16 @@ class Mirror(OfferTables):
             self.unfold(bref)
         key = (bref.workflow, bref.experiment)
         old = self.block_claims.pop(bref, None)
-        if old is not None:
-            self._count(self.block_claim_counts, key, -1)
+        node = None if data is None else str(data["node"])
+        if (old is None) != (node is None):
+            self._count(self.block_claim_counts, key, -1 if node is None else 1)
+        if old is not None and old.node != node:
             self._count(self.node_blocks, old.node, -1)
-        if data is not None:
-            self._count(self.block_claim_counts, key, 1)
-            self._count(self.node_blocks, str(data["node"]), 1)
+        if node is not None and (old is None or old.node != node):
+            self._count(self.node_blocks, node, 1)
+        if node is not None:
             self.block_claims[bref] = Claim(
-                node=str(data["node"]),
+                node=node,
                 attempt=0,
                 slot=None,
                 lease=int(data.get("lease", 0)),

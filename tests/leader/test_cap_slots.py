@@ -230,6 +230,8 @@ def test_the_mirror_counts_what_each_node_runs_and_holds() -> None:
     feed.delete(ref)  # no leader plans offers here: nobody is told
     assert view.node_running["n1"] == 0 and view.load_dropped == set()
     view.offer_blocks = set()  # a leader's view: a node whose load fell is noted
+    feed.put(feed.ks.block_claim(b[0]), {"node": "n1", "lease": 1})  # the same holder
+    assert view.node_blocks["n1"] == 1 and view.load_dropped == set()
     end(feed, b[0], done=True)
     assert view.node_blocks["n1"] == 0 and view.load_dropped == {"n1"}
     assert view.block_claim_counts[("w", "e")] == 0
