@@ -124,7 +124,7 @@ class CapSlots:
             given.clear()
             return _Budget(0, set())
         taken = view.block_slots.get(key, {})
-        room = workers - max(len(taken), view.block_claim_counts[key])
+        room = workers - view.cap_held(key)
         valid: set[BlockRef] = set()
         for bref, k in sorted(given.items(), key=lambda row: row[1]):
             if k < workers and k not in taken and room > 0:
@@ -155,8 +155,8 @@ class CapSlots:
                 del self.penned[key]
                 out.extend(pen)
                 continue
-            held = max(len(view.block_slots.get(key, ())), view.block_claim_counts[key])
-            if key not in self._budgets and workers - held <= len(self.given.get(key, ())):
+            room = workers - view.cap_held(key) - len(self.given.get(key, ()))
+            if key not in self._budgets and room <= 0:
                 continue  # no room (what was given stands until a block of it changes)
             while pen:
                 bref = next(iter(pen))

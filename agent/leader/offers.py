@@ -291,7 +291,6 @@ class Offers:
         # with room, and those the caps have no room for (agent/leader/cap_slots.py).
         self._caps = CapSlots()
         self._capped_waiting: dict[BlockRef, None] = {}
-        self._filling = False  # a node with room for capped blocks is being filled
         self._roomy: dict[str, None] = {}  # nodes that may have room for capped blocks
         self._written_slots: dict[str, tuple[int | None, ...]] = {}
         self._takers_epoch = -1
@@ -325,6 +324,7 @@ class Offers:
         self._kinds_epoch = -1
         self._any_kind = False
         self._open: Opener = _opener(agent.view, None)
+        self._open_anew: Opener = self._open  # for a capped block offered to no node yet
 
     def handed_over(self) -> None:
         self._written.clear()
@@ -356,6 +356,8 @@ class Offers:
         self._keeps = _cached(self._keep) if self._keeping(view) else None
         self._caps.begin()
         self._open = _opener(view, self.free_gpus, self._keeps, self._cap_open)
+        self._open_anew = _opener(view, self.free_gpus, self._keeps,
+                                  lambda bref, node: self._caps.admit(view, bref))
         self._room = None
         whole = view.offer_blocks is None or view.offer_epoch != self._epoch
         if whole or now >= self._rescan_at:
@@ -658,12 +660,11 @@ class Offers:
 
     def _cap_open(self, bref: BlockRef, node: NodeRecord) -> bool:
         """``CapOpener``: a block of a capped experiment has a slot of the cap, and stays
-        with the node it is offered to; it is offered anew only by ``_fill``, to a node
-        with room for it (a slot of the cap given to a busy node would go unused)."""
-        if not self._caps.admit(self.agent.view, bref):
-            return False
-        holder = self._offered_to.get(bref)
-        return holder == node.name if holder is not None else self._filling
+        with the node it is offered to; it is offered anew only by ``_fill``
+        (``_open_anew``), to a node with room for it (a slot of the cap given to a busy
+        node would go unused)."""
+        return self._caps.admit(self.agent.view, bref) and (
+            self._offered_to.get(bref) == node.name)
 
     def _cap_room(self, view: MeshView, node: str, blocks: list[BlockRef]) -> int:
         """Blocks of capped experiments ``node`` has room for beside its offer ``blocks``:
@@ -735,9 +736,7 @@ class Offers:
                         room = self._cap_room(view, node, blocks)
                     if room <= 0:
                         continue
-                self._filling = capped
-                opened, self._filling = self._open(bref, rec), False
-                if opened:
+                if (self._open_anew if capped else self._open)(bref, rec):
                     taken.append(bref)
                     if capped:
                         assert room is not None

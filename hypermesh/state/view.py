@@ -105,6 +105,12 @@ class MeshView(Mirror):
         control = self.control(wid, exp.name)
         return control.workers if control.workers_set else exp.workers
 
+    def cap_held(self, key: tuple[str, str]) -> int:
+        """The blocks of experiment ``key`` (workflow, name) that count against its
+        ``workers`` cap now: those holding a slot, or every block held if more (claimed
+        before a cap was set live)."""
+        return max(len(self.block_slots.get(key, ())), self.block_claim_counts[key])
+
     def free_block_slots(self, wid: str, exp: Experiment, offered: bool = True) -> list[int]:
         """The slots of the ``workers`` cap of ``exp`` (one-task blocks on a large mesh,
         ``hypermesh.state.blocks.block_size``) that a block of it may claim now: below the
@@ -117,8 +123,7 @@ class MeshView(Mirror):
         key = (wid, exp.name)
         taken = self.block_slots.get(key, {})
         assigned = {k for k in self.offered_slots.get(key, {}).values() if k not in taken}
-        room = workers - max(len(taken), self.block_claim_counts[key]) - (
-            len(assigned) if offered else 0)
+        room = workers - self.cap_held(key) - (len(assigned) if offered else 0)
         if room <= 0:
             return []
         busy = taken.keys() | assigned if offered else taken.keys()

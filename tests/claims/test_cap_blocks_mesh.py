@@ -5,10 +5,9 @@ run at once than the cap, the cap can be changed live, and no slot is left held.
 
 from __future__ import annotations
 
-from typing import Any
-
 from hypermesh.local.processes import wait_for
 from tests.conftest import Mesh
+from tests.mesh.test_workflows import attempts_of, peak
 from tests.tasks.test_blocks_mesh import WATCH, assert_written_in_blocks, keys_of, run_to_success
 
 CAPPED = """\
@@ -26,17 +25,6 @@ def large_mesh(mesh: Mesh, watch: str) -> None:
     wait_for(lambda: len(mesh.hm_json("nodes")) == 2, 30, "both agents to register")
 
 
-def peak(tasks: list[dict[str, Any]]) -> int:
-    """The most attempts that ran at one instant (a sweep over starts and ends)."""
-    events = sorted([(a["started_at"], 1) for t in tasks for a in t["attempts"]]
-                    + [(a["ended_at"], -1) for t in tasks for a in t["attempts"]])
-    level = most = 0
-    for _, delta in events:
-        level += delta
-        most = max(most, level)
-    return most
-
-
 def running(mesh: Mesh, wid: str) -> int:
     return sum(t["state"] == "running" for t in mesh.hm_json("tasks", wid))
 
@@ -48,7 +36,7 @@ def test_on_a_large_mesh_a_capped_experiment_runs_in_blocks_within_its_cap(
     large_mesh(mesh, watch)
     wid, tasks = run_to_success(mesh, CAPPED.format(samples=12, workers=3, seconds=1))
     assert len(tasks) == 12
-    assert peak(tasks) == 3, tasks  # reached, never passed, with 64 free slots
+    assert peak(attempts_of(tasks, "e")) == 3, tasks  # reached, never passed, 64 slots free
     assert_written_in_blocks(mesh, wid, 12)
     assert keys_of(mesh, "bcap", wid) == [] and keys_of(mesh, "slot", wid) == []
 

@@ -23,6 +23,17 @@ def attempts_of(tasks: list[dict], experiment: str) -> list[dict]:
     return [a for t in tasks if t["experiment"] == experiment for a in t["attempts"]]
 
 
+def peak(attempts: list[dict]) -> int:
+    """The most of ``attempts`` that ran at one instant (a sweep over starts and ends)."""
+    events = sorted([(a["started_at"], 1) for a in attempts]
+                    + [(a["ended_at"], -1) for a in attempts])
+    level = most = 0
+    for _, delta in events:
+        level += delta
+        most = max(most, level)
+    return most
+
+
 def test_dag_runs_in_dependency_order(mesh: Mesh) -> None:
     mesh.agent(slots=3)
     recipe = mesh.write_recipe(
@@ -104,17 +115,10 @@ experiments:
     result = mesh.hm("submit", str(recipe), "--wait", timeout=120)
     assert result.returncode == 0, result.stderr
     tasks = mesh.hm_json("tasks", result.stdout.split()[-1])
-    spans = [(a["started_at"], a["ended_at"]) for a in attempts_of(tasks, "capped")]
-    assert len(spans) == 8
-    # Most tasks running at any instant: sweep over start/end events.
-    events = sorted(
-        [(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1])
-    )
-    level = peak = 0
-    for _, delta in events:
-        level += delta
-        peak = max(peak, level)
-    assert peak == 2  # the cap is reached and never exceeded, with 8 free slots in the mesh
+    attempts = attempts_of(tasks, "capped")
+    assert len(attempts) == 8
+    # the cap is reached and never exceeded, with 8 free slots in the mesh
+    assert peak(attempts) == 2
 
 
 def test_failing_task_retries_then_fails_workflow(mesh: Mesh) -> None:
