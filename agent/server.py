@@ -212,7 +212,8 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
                 f"bytes {request.offset}+{request.length}",
             )
             return
-        async for piece in stream_pieces(data, self.agent.share.serve_pause_s):
+        share = self.agent.share
+        async for piece in stream_pieces(data, share.serve_pause_s, share.serve_piece):
             yield piece
 
     async def ChunkSet(

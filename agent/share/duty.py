@@ -61,6 +61,9 @@ WON_MAX = 4096  # segments won remembered before expired ones are dropped
 SERVE_PAUSE_ENV = "HYPERMESH_TEST_SERVE_PAUSE_S"
 """Tests only: seconds ``ReadChunk`` pauses after each piece it streams, so that a test
 can kill the serving agent half-way through a transfer."""
+SERVE_PIECE_ENV = "HYPERMESH_TEST_SERVE_PIECE_BYTES"
+"""Tests only: bytes per streamed piece, if not :data:`PIECE`; smaller pieces make every
+range a transfer of several pieces, whatever blocks the reading mount asks for at once."""
 
 
 ReadCall: TypeAlias = "grpc.aio.UnaryStreamCall[agent_pb2.ReadChunkRequest, agent_pb2.ChunkBytes]"
@@ -112,6 +115,7 @@ class ChunkShare:
         self._race_refused = False  # etcd refused the fetching keys to our user (said once)
         self._elsewhere: frozenset[str] | None = None  # what publish_elsewhere last wrote
         self.serve_pause_s = float(os.environ.get(SERVE_PAUSE_ENV) or 0)
+        self.serve_piece = int(os.environ.get(SERVE_PIECE_ENV) or PIECE)
 
     # ------------------------------------------------------------ advertising
     def scanned(self, held: Iterable[str]) -> None:
@@ -411,11 +415,11 @@ class ChunkShare:
 
 
 async def stream_pieces(
-    data: bytes, pause_s: float = 0.0
+    data: bytes, pause_s: float = 0.0, piece: int = PIECE
 ) -> AsyncIterator[agent_pb2.ChunkBytes]:
-    """``data`` as ``ChunkBytes`` messages of at most ``PIECE`` bytes, ``pause_s``
-    apart (0 but in tests: see :data:`SERVE_PAUSE_ENV`)."""
+    """``data`` as ``ChunkBytes`` messages of at most ``piece`` bytes, ``pause_s``
+    apart (both as here but in tests: see :data:`SERVE_PAUSE_ENV`)."""
     view = memoryview(data)
-    for start in range(0, len(view), PIECE):
-        yield agent_pb2.ChunkBytes(data=bytes(view[start : start + PIECE]))
+    for start in range(0, len(view), piece):
+        yield agent_pb2.ChunkBytes(data=bytes(view[start : start + piece]))
         await asyncio.sleep(pause_s)
