@@ -11,7 +11,11 @@ server and gossip with its peers over loopback gRPC. What is patched out, in thi
 script only:
 
 - a task's processes: ``AttemptProcess.run`` returns a succeeded outcome (after
-  ``--task-seconds``) without spawning anything;
+  ``--task-seconds``) without spawning anything; with ``--reports K`` it first writes K
+  ``HM_METRIC`` lines into the attempt's log over that time, which the agent's own
+  metrics watch reads, stores and asks the pruner about (the experiment then has an
+  objective and ``pruning: median``, and every trial reports the same curve, so none
+  is pruned);
 - the lifeline (``Lifeline.open`` would start one watchdog process per member);
 - the members' signal handlers (the harness owns SIGINT and SIGTERM);
 - with ``--no-gossip``, gossip itself (``Agent._run_gossip`` waits for the stop), so that
@@ -198,12 +202,18 @@ class _NoLifeline:
         pass
 
 
-def patch_agents(task_seconds: float, gossip: bool, own_gossip_connections: bool) -> None:
+def patch_agents(
+    task_seconds: float, gossip: bool, own_gossip_connections: bool, reports: int = 0
+) -> None:
     """Monkeypatch the agent code for many members in one process (module docstring)."""
 
     async def run_attempt(self: runner.AttemptProcess) -> runner.Outcome:
         COUNTERS.attempts[str(self.log_path).split("/members/", 1)[-1].split("/", 1)[0]] += 1
-        await asyncio.sleep(task_seconds)
+        for step in range(reports):
+            with open(self.log_path, "a") as log:
+                log.write(f'HM_METRIC {{"step": {step}, "loss": {1 / (step + 1)!r}}}\n')
+            await asyncio.sleep(task_seconds / reports)
+        await asyncio.sleep(0 if reports else task_seconds)
         return runner.Outcome("succeeded", 0, "exit", time.time())
 
     def open_lifeline(work_dir: object, decide: object) -> _NoLifeline:
@@ -252,6 +262,16 @@ def with_prefer_pools(recipe: str, pools: str | None) -> str:
         return recipe
     head, sep, tail = recipe.partition("    command:")
     return f"{head}    prefer_pools: [{pools}]\n{sep}{tail}"
+
+
+def with_reports(recipe: str, reports: int, tpe: bool = False) -> str:
+    """``recipe`` (``recipe_text``'s) ranked by ``loss`` and pruned by the median pruner,
+    when its tasks report metrics; with ``tpe``, an adaptive search of one parameter."""
+    if not reports:
+        return recipe
+    head, sep, tail = recipe.partition("    command:")
+    search = "    parameters: {x: {range: [0, 1]}}\n    sampling: tpe\n" if tpe else ""
+    return f"{head}{search}    objective: {{metric: loss}}\n    pruning: median\n{sep}{tail}"
 
 
 def with_workers(recipe: str, workers: int | None) -> str:
@@ -512,9 +532,9 @@ async def measure(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
             if code:
                 raise BenchError(f"settings flush-rate exited {code}: {stderr[-2000:]}")
         recipe = root / "inproc.yaml"
-        recipe.write_text(with_workers(with_prefer_pools(with_task_inputs(with_task_gpus(
-            recipe_text(args.tasks, block=args.block), args.task_gpus), args.task_inputs),
-            args.prefer_pools), args.workers))
+        recipe.write_text(with_reports(with_workers(with_prefer_pools(with_task_inputs(
+            with_task_gpus(recipe_text(args.tasks, block=args.block), args.task_gpus),
+            args.task_inputs), args.prefer_pools), args.workers), args.reports, args.tpe))
         COUNTERS.attempts.clear()
         EVENTS.take()
         APPLIED.start()
@@ -591,7 +611,8 @@ async def run_all(args: argparse.Namespace, etcd: EtcdServer, root: Path, out: A
 
 
 def run(args: argparse.Namespace, out: Any) -> Result:
-    patch_agents(args.task_seconds, not args.no_gossip, args.gossip_connections == "own")
+    patch_agents(args.task_seconds, not args.no_gossip, args.gossip_connections == "own",
+                 args.reports)
     APPLIED.attach()
     with tempfile.TemporaryDirectory(prefix="hm-bench-inproc-") as tmp:
         root = Path(tmp)
@@ -703,6 +724,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "are of pool default")
     p.add_argument("--workers", type=int, default=None,
                    help="the experiment's workers cap (workers: W); with --block 1, task by task")
+    p.add_argument("--reports", type=int, default=0, metavar="K",
+                   help="HM_METRIC lines each task reports over --task-seconds; the "
+                        "experiment then prunes (pruning: median) [0]")
+    p.add_argument("--tpe", action="store_true",
+                   help="with --reports: an adaptive search (sampling: tpe, one parameter), "
+                        "its trials created as results come in, --workers at a time")
     p.add_argument("--batch-pause", type=float, default=1.0,
                    help="seconds between two batches [1]")
     p.add_argument("--start-timeout", type=float, default=600.0,
@@ -724,6 +751,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("members", "tasks", "slots", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.reports < 0:
+        p.error(f"--reports must not be negative, got {args.reports}")
+    if args.tpe and not args.reports:
+        p.error("--tpe needs --reports (the objective the search models)")
     if args.block is not None and not 1 <= args.block <= MAX_BLOCK:
         p.error(f"--block must be 1 to {MAX_BLOCK}, got {args.block}")
     if args.task_seconds < 0 or args.settle < 0 or args.idle_seconds < 0:

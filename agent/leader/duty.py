@@ -215,16 +215,18 @@ class LeaderDuty:
             self._progress_timer.at(due)
 
     async def _suggest(self, action: leader.Suggest) -> None:
-        """Create the next trials of an adaptive search (Optuna runs in a thread)."""
+        """Create the next trials of an adaptive search (Optuna runs in a thread), each
+        a one-task block where the experiment runs in blocks (on a large mesh)."""
         a = self.agent
         wf = a.view.workflows[action.workflow]
         exp = wf.recipe.experiment(action.experiment)
         seed = experiment_seed(wf.seed, exp)
         trials = search.trials_of(a.view, wf.id, exp)
+        block = leader.block_of(a.view, wf.id, exp) is not None
         for index in action.indices:
             params = await asyncio.to_thread(search.suggest, exp, seed, index, trials)
             ref = TaskRef(wf.id, exp.name, index)
-            if not await add_task(a.etcd, a.ks, ref, params, action.state_revision):
+            if not await add_task(a.etcd, a.ks, ref, params, action.state_revision, block):
                 return  # another leader got there first; the watch brings its tasks
             trials.append(search.Trial(index, params, "running"))
             a.decide(f"suggested {ref}: {params}")

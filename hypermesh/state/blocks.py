@@ -83,14 +83,20 @@ def placed_per_block(exp: Experiment) -> bool:
       for the pool delay;
     - a ``workers`` cap: the block's claim takes a slot of the cap (``bcap/``) in the
       same transaction, and gives it back with the claim, so that no more blocks run at
-      once than the cap allows (the leader offers each block with a free slot).
+      once than the cap allows (the leader offers each block with a free slot);
+    - an adaptive search: the leader writes each trial it suggests as a one-task block
+      (it sees every result: ``agent/leader/duty.py``);
+    - pruning: the holder asks the pruner with the experiment's trials, from its view
+      or, on a node that watches its own part, read from etcd
+      (``agent/tasks/metrics_watch.py``).
     """
     if exp.batch == 1 or not (
         exp.hardware.gpus or exp.inputs or exp.prefer_pools or exp.workers is not None
+        or exp.sampling == "tpe" or exp.pruning is not None
     ):
         return False
     bare = replace(exp, hardware=replace(exp.hardware, gpu=None, gpus=0.0, gpu_memory=0),
-                   inputs=(), prefer_pools=(), workers=None)
+                   inputs=(), prefer_pools=(), workers=None, sampling=None, pruning=None)
     return why_not_batched(bare) is None
 
 

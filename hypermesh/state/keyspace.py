@@ -45,8 +45,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   ``extend``, each guarded by the key's and the workflow state's revisions.
 - ``offer/<node>``: the blocks the leader offers a node that chooses from offers
   (``agent start --watch own``, ``agent/leader/offers.py``); by the leader. Such a node
-  watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no other node's offer,
-  no progress summary.
+  watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no metrics, no other
+  node's offer, no progress summary.
 - ``pool/<name>``: a pool's declaration (``hypermesh/state/pools.py``); by ``pool set``.
 - ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
   provider id, when); by the leader, deleted when the node is released or lost.
@@ -242,13 +242,17 @@ class Keyspace:
     def own_ranges(self, node: str) -> list[tuple[str, str]]:
         """The key ranges ``[start, end)`` a node that chooses blocks from its offers
         watches: the namespace but the four block kinds (which sort together, from
-        ``bcap/`` to ``block/``), the other nodes' offers and the progress summaries
-        (for the CLI; the leader writes them every second). What a task of a block
-        costs such a node is then its own claim and flushes, whatever the mesh's size."""
+        ``bcap/`` to ``block/``), the metrics attempts report (up to one write a second
+        per attempt; the leader and the nodes that watch everything see them, and a
+        pruning check here reads them from etcd), the other nodes' offers and the
+        progress summaries (for the CLI; the leader writes them every second). What a
+        task of a block costs such a node is then its own claim and flushes, whatever
+        the mesh's size."""
         # "x0" ends the prefix "x/" ("0" follows "/"); "k\0" ends the key "k" alone.
         r, mine = self.root, self.offer(node)
-        return [(r, f"{r}bcap/"), (f"{r}block0", f"{r}offer/"), (mine, mine + "\0"),
-                (f"{r}offer0", f"{r}progress/"), (f"{r}progress0", r[:-1] + "0")]
+        return [(r, f"{r}bcap/"), (f"{r}block0", f"{r}metrics/"), (f"{r}metrics0", f"{r}offer/"),
+                (mine, mine + "\0"), (f"{r}offer0", f"{r}progress/"),
+                (f"{r}progress0", r[:-1] + "0")]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:

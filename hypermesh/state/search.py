@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from hypermesh.recipe.ml import Objective
 from hypermesh.recipe.recipe import Experiment, Parameter
-from hypermesh.state.keyspace import TaskRef
+from hypermesh.state.keyspace import BlockRef, TaskRef
 from hypermesh.state.view import MeshView
 
 if TYPE_CHECKING:
@@ -68,7 +68,11 @@ def trial_seed(seed: int, index: int) -> int:
 
 
 def trials_of(view: MeshView, wid: str, exp: Experiment) -> list[Trial]:
-    """Every created trial of experiment ``exp`` of workflow ``wid``, by index."""
+    """Every created trial of experiment ``exp`` of workflow ``wid``, by index. The
+    batches of its blocks that the view deferred (an agent that does not lead) are
+    applied first: a trial's result and attempts are in them."""
+    for first in list(view.blocks.get((wid, exp.name), ())):
+        view.settle(BlockRef(wid, exp.name, first))
     metric = exp.objective.metric if exp.objective else None
     trials = []
     for ref in view.task_refs(wid, exp.name):

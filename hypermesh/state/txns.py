@@ -387,12 +387,18 @@ async def add_task(
     ref: TaskRef,
     params: dict[str, Any],
     state_revision: int | None = None,
+    block: bool = False,
 ) -> bool:
-    """Write one task of an adaptive experiment; False if that index already exists
-    (another leader wrote it first) or a live change was made since the leader decided."""
+    """Write one task of an adaptive experiment, as a task key or (``block``) as a
+    one-task block; False if that index already exists either way (another leader wrote
+    it first) or a live change was made since the leader decided."""
+    bref = BlockRef(ref.workflow, ref.experiment, ref.index)
+    key, value = ((ks.block(bref), {"params": [params]}) if block
+                  else (ks.task(ref), {"params": params}))
     done = await etcd.txn(
-        [etcd.absent(ks.task(ref)), *state_guard(etcd, ks, ref.workflow, state_revision)],
-        [etcd.op_put(ks.task(ref), dumps({"params": params}))],
+        [etcd.absent(ks.task(ref)), etcd.absent(ks.block(bref)),
+         *state_guard(etcd, ks, ref.workflow, state_revision)],
+        [etcd.op_put(key, dumps(value))],
     )
     return done.succeeded
 

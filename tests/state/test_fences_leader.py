@@ -307,3 +307,33 @@ def test_a_trial_index_is_written_once(etcd_server: EtcdServer) -> None:
             assert await value_of(etcd, ks.task(ref)) == {"params": {"x": 0.1}}
 
     run(scenario())
+
+
+def test_a_trial_index_is_written_once_as_a_task_or_a_one_task_block(
+    etcd_server: EtcdServer,
+) -> None:
+    """On a large mesh a leader writes a trial as a one-task block: one written either
+    way refuses the other, and a live change fences the block as it fences the task."""
+    ks = fresh_keyspace()
+
+    async def scenario() -> None:
+        async with Etcd(endpoint(etcd_server)) as etcd:
+            wid, seen = await running(etcd, ks)
+            ref, other = TaskRef(wid, "a", 0), TaskRef(wid, "a", 1)
+            assert await add_task(etcd, ks, ref, {"x": 0.1}, seen, block=True)
+            assert await value_of(etcd, ks.block(BlockRef(wid, "a", 0))) == {
+                "params": [{"x": 0.1}]}
+
+            assert not await add_task(etcd, ks, ref, {"x": 0.9}, seen, block=True)
+            assert not await add_task(etcd, ks, ref, {"x": 0.9}, seen)  # nor as a task
+            assert await add_task(etcd, ks, other, {"x": 0.2}, seen)
+            assert not await add_task(etcd, ks, other, {"x": 0.9}, seen, block=True)
+
+            assert await etcd.get(ks.task(ref)) is None
+            assert await etcd.get(ks.block(BlockRef(wid, "a", 1))) is None
+            assert await cancel_experiment(etcd, ks, wid, "a")
+            assert not await add_task(etcd, ks, TaskRef(wid, "a", 2), {"x": 0.5}, seen,
+                                      block=True)
+            assert await etcd.get(ks.block(BlockRef(wid, "a", 2))) is None
+
+    run(scenario())

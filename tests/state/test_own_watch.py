@@ -1,6 +1,6 @@
 """``--watch own`` against a real etcd: the mirror of a node that chooses blocks from
-its offers never receives the block kinds nor another node's offer; a block claimed
-from an offer is read back whole (its tasks, its batches, the attempts left running);
+its offers never receives the block kinds, metrics, nor another node's offer; a block
+claimed from an offer is read back whole (its tasks, its batches, the attempts left running);
 the leader's offer plan gives each block to one node and keeps what is still open."""
 
 from __future__ import annotations
@@ -39,14 +39,17 @@ async def until(done: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-def test_the_own_mirror_sees_neither_blocks_nor_other_offers(etcd_server: EtcdServer) -> None:
+def test_the_own_mirror_sees_neither_blocks_nor_metrics_nor_other_offers(
+    etcd_server: EtcdServer,
+) -> None:
     ks = Keyspace(f"own{uuid.uuid4().hex[:8]}")
     bref = BlockRef("w1", "e", 0)
     kinds = {
         "seen": [ks.node("n1"), ks.workflow_state("w1"), ks.offer("n1"), ks.result(bref.task(0)),
                  ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.workflow("w1")],
         "unseen": [ks.block(bref), ks.block_claim(bref), ks.block_batch(bref, 7, 1),
-                   ks.offer("n10"), ks.offer("n"), ks.offer("n2"), ks.progress("w1")],
+                   ks.offer("n10"), ks.offer("n"), ks.offer("n2"), ks.progress("w1"),
+                   ks.metrics(bref.task(0), 1)],
     }
 
     async def scenario(etcd: Etcd) -> None:

@@ -69,6 +69,9 @@ def test_block_size(batch: str | None, count: int, slots: int, size: int | None)
 
 
 INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
+SEARCH = "parameters: {lr: {range: [0, 1]}}\nobjective: {metric: loss, goal: minimize}"
+TPE = f"{SEARCH}\nsampling: tpe"
+PRUNED = f"{SEARCH}\npruning: median"
 
 
 @pytest.mark.parametrize(
@@ -84,8 +87,14 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         ("workers: 2", 100, 16, None),  # a workers cap: per-task keys on a small mesh
         ("workers: 2", 100_000, 64, 1),  # one-task blocks on a large one, never more
         ("workers: 2\nbatch: 1", 100, 64, None),
-        ("workers: 2\nsampling: tpe\nparameters: {lr: {range: [0, 1]}}\n"
-         "objective: {metric: loss, goal: minimize}", 100, 64, None),  # adaptive: per trial
+        (f"{TPE}\nworkers: 2", 100, 16, None),  # adaptive: per trial on a small mesh
+        (f"{TPE}\nworkers: 2", 100, 64, 1),  # one-task blocks the leader writes, on a large one
+        (TPE, 100, 64, 1),
+        (f"{TPE}\nbatch: 1", 100, 64, None),
+        (f"{TPE}\nnodes: 2", 100, 64, None),  # a gang: per task
+        (PRUNED, 100, 16, None),  # pruning: per-task keys on a small mesh
+        (PRUNED, 100_000, 64, 1),  # one-task blocks on a large one, never more
+        (f"{PRUNED}\nhardware: {{gpus: 1}}", 100, 64, 1),
         ("hardware: {gpus: 1}\nprefer_pools: [a]", 100, 64, 1),
         ("prefer_pools: [a]", 100, 16, None),  # prefer_pools: per-task keys on a small mesh
         ("prefer_pools: [a]", 100, 64, 1),  # one-task blocks on a large one
@@ -97,7 +106,7 @@ INPUTS = "data: {shards: shards}\ninputs: 'shards/shard-{{task_index}}'"
         (f"{INPUTS}\nworkers: 2", 100, 64, 1),
     ],
 )
-def test_gpu_input_pool_and_capped_experiments_run_in_one_task_blocks_on_a_large_mesh(
+def test_gpu_input_pool_capped_and_search_experiments_run_in_one_task_blocks_on_a_large_mesh(
     extra: str, count: int, slots: int, size: int | None
 ) -> None:
     exp = one_experiment(f"command: 'true'\nsamples: 4\n{extra}\n")
