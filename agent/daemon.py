@@ -70,7 +70,7 @@ from hypermesh.agent.tasks.gpu_pool import GpuPool, gpu_source
 from hypermesh.agent.tasks.images import ImageCache, ImageConfig, images_in_use
 from hypermesh.agent.tasks.lifeline import Lifeline
 from hypermesh.agent.tasks.logs import LogShipper
-from hypermesh.agent.tasks.metrics_watch import TrialSnapshots
+from hypermesh.agent.tasks.metrics_watch import PruningMedians
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import use_pidfd_child_watcher
 from hypermesh.agent.tasks.task_env import host_env
@@ -183,7 +183,7 @@ class Agent:
         if cfg.watch == "all":
             self.view_whole.set()
         self.watch_seat: int | None = None  # ``--watch auto``: the seat it took, if any
-        self.trial_snapshots = TrialSnapshots(self.etcd, self.ks)  # pruning, when partial
+        self.pruning_medians = PruningMedians(self.etcd, self.ks)  # pruning, when partial
         self._mirror: asyncio.Task[None] | None = None
         self._widening = False
         self._snapshot: tuple[float, MeshView] | None = None  # read_view's, when partial

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from hypermesh.agent.claims.wake_timer import WakeTimer
 from hypermesh.agent.leader import policy as leader
 from hypermesh.agent.leader.offers import Offers
+from hypermesh.agent.leader.prune_medians import PruneMedians
 from hypermesh.errors import HypermeshError, LeaseLost, TransientError
 from hypermesh.recipe.sampling import expand_more, experiment_seed
 from hypermesh.state import search
@@ -79,12 +80,15 @@ class LeaderDuty:
         self.offers = Offers(agent)  # to nodes that do not watch the blocks (--watch own)
         self._offers_timer = WakeTimer(self._lead_again)  # when a block's keeping ends
         self.offers.wake_at = self._offers_timer.at
+        # what a node that sees no metrics prunes by (prunemed/)
+        self.prune_medians = PruneMedians(agent, WakeTimer(self._lead_again).at)
 
     def handed_over(self) -> None:
         """This node took over or handed over leadership: what another leader published
         meanwhile is unknown."""
         self._published.clear()
         self.offers.handed_over()
+        self.prune_medians.handed_over()
 
     def _lead_again(self) -> None:
         self.dirty = True
@@ -110,6 +114,7 @@ class LeaderDuty:
                             exc_info=exc)
                 await self._fail(wid, action.state_revision, reason)
         await self._publish_progress()
+        await self.prune_medians.publish()
         if self.offers.wanted():
             await self.offers.publish()
 

@@ -32,7 +32,7 @@ from hypermesh.agent.ops.telemetry import TaskRoot
 from hypermesh.agent.tasks.containers import image_for
 from hypermesh.agent.tasks.gpu_pool import visible_devices
 from hypermesh.agent.tasks.images import ImageUnavailable
-from hypermesh.agent.tasks.metrics_watch import TrialSnapshots, attempt_watch, metrics_file
+from hypermesh.agent.tasks.metrics_watch import PruningMedians, attempt_watch, metrics_file
 from hypermesh.agent.tasks.mounts import Mounts
 from hypermesh.agent.tasks.runner import AttemptProcess, Outcome
 from hypermesh.agent.tasks.task_env import task_environment
@@ -79,7 +79,7 @@ class AttemptsHost(Protocol):
     logs: LogShipper
     gpu_pool: GpuPool
     blocks: BlockDuty
-    trial_snapshots: TrialSnapshots
+    pruning_medians: PruningMedians
     written_revision: int
     drain_grace: float | None
     view_whole: asyncio.Event  # set while ``view`` holds the whole namespace

@@ -8,12 +8,12 @@ whether the trial should stop. When the attempt ends it reads and stores one las
 before the attempt's result is recorded, so the result always sees the final values.
 Attempts that report nothing cost one small read per poll and no etcd write.
 
-The pruner compares a trial with the experiment's other trials. A node that watches the
-whole namespace has them in its view; one that watches its own part (``--watch own``)
-receives neither blocks nor metrics, and reads the experiment from etcd instead
-(:class:`TrialSnapshots`): at most one read per experiment every ``SNAPSHOT_S``, shared
-by the node's trials of it. The pruner looks only at finished trials, which a snapshot
-that old misses at most the last few of.
+The pruner compares a trial with the experiment's completed trials. A node that
+watches the whole namespace has them in its view; one that watches its own part
+(``--watch own``) receives neither blocks nor metrics, and asks the same pruner with
+the per-step medians of the completed trials that the leader publishes
+(``agent/leader/prune_medians.py``) instead: one small key per experiment, read at
+most every ``MEDIANS_S`` (:class:`PruningMedians`), whatever the experiment's size.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from hypermesh.state import search
 from hypermesh.state.records import dumps
 from hypermesh.state.task_metrics import LINE_PREFIX, AttemptMetrics, report_in_line
 from hypermesh.state.txns import put_metrics
-from hypermesh.state.view import load_view
 
 if TYPE_CHECKING:
     from hypermesh.agent.tasks.running import Running
@@ -42,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("hypermesh.agent")
 
 POLL_S = 0.5  # how often a running attempt's outputs are read
-SNAPSHOT_S = 5.0  # the oldest trials a pruning check on a node that watches its part uses
+MEDIANS_S = 2.0  # the oldest pruning medians a check on a node that sees no metrics uses
 STORE_EVERY_S = 1.0  # least time between two etcd writes of one attempt's metrics
 MAX_READ = 4 << 20  # bytes read per poll and file; the rest waits for the next poll
 
@@ -176,39 +175,42 @@ class MetricsWatch:
         await self.flush(force=True)
 
 
-class TrialSnapshots:
-    """The trials of experiments, read from etcd for the pruning checks of a node that
-    does not watch the whole namespace; each at most ``SNAPSHOT_S`` old."""
+class PruningMedians:
+    """The leader's pruning medians of experiments (``prunemed/``), read from etcd for
+    the pruning checks of a node that does not watch the whole namespace; each at most
+    ``MEDIANS_S`` old, one read shared by the node's trials of an experiment."""
 
     def __init__(self, etcd: Etcd, ks: Keyspace) -> None:
         self.etcd = etcd
         self.ks = ks
         self.reads = 0
-        self._got: dict[tuple[str, str], tuple[float, list[search.Trial]]] = {}
+        self._got: dict[tuple[str, str], tuple[float, tuple[int, dict[int, float]]]] = {}
         self._lock = asyncio.Lock()
 
-    async def trials(self, wid: str, exp: Experiment) -> list[search.Trial]:
+    async def of(self, wid: str, experiment: str) -> tuple[int, dict[int, float]]:
+        """``(completed trials, {step: median})``; ``(0, {})`` before the leader's first."""
         async with self._lock:  # trials of one experiment asking at once share a read
             now = time.monotonic()
-            self._got = {k: v for k, v in self._got.items() if now - v[0] <= SNAPSHOT_S}
-            got = self._got.get((wid, exp.name))
+            self._got = {k: v for k, v in self._got.items() if now - v[0] <= MEDIANS_S}
+            got = self._got.get((wid, experiment))
             if got is None:
-                view = await load_view(self.etcd, self.ks, wid, experiment=exp.name)
+                found = await self.etcd.get(self.ks.prune_medians(wid, experiment))
                 self.reads += 1
-                got = self._got[(wid, exp.name)] = (now, search.trials_of(view, wid, exp))
+                value = search.parse_medians(found[0]) if found is not None else (0, {})
+                got = self._got[(wid, experiment)] = (now, value)
             return got[1]
 
 
 class WatchHost(Protocol):
     """What :func:`attempt_watch` uses of the agent; it writes ``written_revision`` (never
     lowers it) after each store. ``view_whole``: set while ``view`` holds the whole
-    namespace, else ``trial_snapshots`` give the pruner the other trials."""
+    namespace, else ``pruning_medians`` give the pruner what it compares with."""
 
     etcd: Etcd
     ks: Keyspace
     view: MeshView
     view_whole: asyncio.Event
-    trial_snapshots: TrialSnapshots
+    pruning_medians: PruningMedians
     written_revision: int
 
     def decide(self, message: str) -> None: ...
@@ -230,16 +232,18 @@ def attempt_watch(
 
     async def prune(metrics: AttemptMetrics) -> bool:
         assert exp.objective is not None
-        if agent.view_whole.is_set():
-            others = search.trials_of(agent.view, ref.workflow, exp)  # read in the loop
-        else:
-            others = await agent.trial_snapshots.trials(ref.workflow, exp)
         params = r.params if r.params is not None else (
             agent.view.tasks.get(ref, {}).get("params", {}))
         current = search.Trial(
             ref.index, params, "running", None, metrics.intermediate(exp.objective.metric)
         )
-        decided = await asyncio.to_thread(search.should_prune, exp, others, current)
+        if agent.view_whole.is_set():
+            others = search.trials_of(agent.view, ref.workflow, exp)  # read in the loop
+            decided = await asyncio.to_thread(search.should_prune, exp, others, current)
+        else:
+            completed, medians = await agent.pruning_medians.of(ref.workflow, exp.name)
+            decided = await asyncio.to_thread(search.prune_by_medians, exp, completed,
+                                              medians, current)
         if decided:
             agent.decide(f"{ref} attempt {n} pruned at step {max(current.intermediate)}")
         return decided

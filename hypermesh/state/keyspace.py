@@ -40,6 +40,9 @@ share a prefix per kind so a workflow can be read or deleted with one range.
   master address and port, the seats it started with); on rank 0's lease.
 - ``gang/<wid>/<exp>/<index>/end/<n>/<rank>``: how rank ``rank`` of attempt n ended;
   by that member, fenced by the attempt's claim (see ``hypermesh.state.gangs``).
+- ``prunemed/<wid>/<exp>``: what the median pruner compares a trial of an experiment
+  with pruning against: how many trials completed and, per step, the median of their
+  intermediate values; by the leader, for the nodes that see no metrics.
 - ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
   ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
   ``extend``, each guarded by the key's and the workflow state's revisions.
@@ -206,6 +209,9 @@ class Keyspace:
     def metrics(self, ref: TaskRef, n: int) -> str:
         return f"{self.root}metrics/{ref.path}/{n}"
 
+    def prune_medians(self, wid: str, experiment: str) -> str:
+        return f"{self.root}prunemed/{wid}/{experiment}"
+
     def gang_seat(self, ref: TaskRef, rank: int) -> str:
         return f"{self.root}gang/{ref.path}/seat/{rank}"
 
@@ -243,16 +249,16 @@ class Keyspace:
         """The key ranges ``[start, end)`` a node that chooses blocks from its offers
         watches: the namespace but the four block kinds (which sort together, from
         ``bcap/`` to ``block/``), the metrics attempts report (up to one write a second
-        per attempt; the leader and the nodes that watch everything see them, and a
-        pruning check here reads them from etcd), the other nodes' offers and the
-        progress summaries (for the CLI; the leader writes them every second). What a
-        task of a block costs such a node is then its own claim and flushes, whatever
-        the mesh's size."""
+        per attempt; the leader and the nodes that watch everything see them), the other
+        nodes' offers, the progress summaries (for the CLI; the leader writes them every
+        second) and the pruning medians (``prunemed/``, which a pruning check here reads
+        on demand). What a task of a block costs such a node is then its own claim and
+        flushes, whatever the mesh's size."""
         # "x0" ends the prefix "x/" ("0" follows "/"); "k\0" ends the key "k" alone.
         r, mine = self.root, self.offer(node)
         return [(r, f"{r}bcap/"), (f"{r}block0", f"{r}metrics/"), (f"{r}metrics0", f"{r}offer/"),
                 (mine, mine + "\0"), (f"{r}offer0", f"{r}progress/"),
-                (f"{r}progress0", r[:-1] + "0")]
+                (f"{r}progress0", f"{r}prunemed/"), (f"{r}prunemed0", r[:-1] + "0")]
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:
@@ -278,7 +284,7 @@ class Keyspace:
         """Every prefix (ending in ``/``) and exact key holding keys of workflow ``wid``
         (for reading or deleting it: ``hypermesh/state/cleanup.py`` deletes them all)."""
         kinds = ("task", "claim", "attempt", "result", "slot", "expanded", "expctl", "metrics",
-                 "gang", "block", "bclaim", "bdone", "bcap")
+                 "gang", "block", "bclaim", "bdone", "bcap", "prunemed")
         exact = [self.workflow(wid), self.workflow_state(wid), self.progress(wid),
                  self.workflow_usage(wid)]
         return exact + [

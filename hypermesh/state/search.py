@@ -6,7 +6,8 @@ so far (finished ones with their objective values, running ones as running) and 
 Optuna's TPE sampler, seeded from the experiment's seed and the trial's index. A new
 leader therefore continues a search exactly where the old one stopped, and the same
 history and seed always give the same parameters. ``should_prune`` asks Optuna's
-``MedianPruner`` the same way about one running trial.
+``MedianPruner`` the same way about one running trial; ``prune_by_medians`` gives its
+answer from the per-step medians of the completed trials (``median_curve``) alone.
 
 Pure: reads a ``MeshView`` or plain values; no etcd, no gRPC, no clock. Optuna is
 imported on first use (it costs about a second), so commands that only rank trials do
@@ -16,6 +17,7 @@ not pay for it.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -197,6 +199,67 @@ def should_prune(exp: Experiment, others: list[Trial], current: Trial) -> bool:
         distributions={k: v for k, v in dists.items() if k in current.params},
         intermediate_values=dict(current.intermediate),
         state=optuna.trial.TrialState.RUNNING,
+    )
+    pruner = optuna.pruners.MedianPruner(
+        n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=PRUNER_WARMUP_STEPS
+    )
+    return bool(pruner.prune(study, trial))
+
+
+def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, float]]:
+    """What ``MedianPruner`` compares a trial with, from ``trials`` (those of ``exp``):
+    how many completed trials it counts, and per step the median of their intermediate
+    values (a step none of them reported is left out). The leader publishes it for the
+    nodes that do not see every trial (``agent/leader/prune_medians.py``)."""
+    if exp.objective is None:
+        return 0, {}
+    optuna = _optuna()
+    import numpy as np  # Optuna's own dependency: the same percentile as its pruner's
+
+    study, _ = _study(exp, [t for t in trials if t.state == "complete"])
+    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    by_step: dict[int, list[float]] = {}
+    for t in done:
+        for step, value in t.intermediate_values.items():
+            by_step.setdefault(step, []).append(value)
+    medians = {}
+    for step in sorted(by_step):
+        median = float(np.nanpercentile(np.array(by_step[step], dtype=float), 50))
+        if math.isfinite(median):
+            medians[step] = median
+    return len(done), medians
+
+
+def medians_value(completed: int, medians: dict[int, float]) -> bytes:
+    """``median_curve``'s figures as the leader stores them (``prunemed/``)."""
+    return json.dumps({"completed": completed, "medians": list(medians.items())},
+                      separators=(",", ":")).encode()
+
+
+def parse_medians(value: bytes) -> tuple[int, dict[int, float]]:
+    """``(completed, {step: median})`` of a ``prunemed/`` value."""
+    data = json.loads(value)
+    return int(data["completed"]), {int(s): float(m) for s, m in data["medians"]}
+
+
+def prune_by_medians(
+    exp: Experiment, completed: int, medians: dict[int, float], current: Trial
+) -> bool:
+    """``should_prune``'s answer from ``median_curve``'s figures instead of the trials:
+    Optuna's ``MedianPruner`` asked with ``min(completed, its start-up count)`` completed
+    trials whose every step holds the median, so it counts and compares as it would
+    with the trials themselves."""
+    if exp.pruning is None or exp.objective is None or not current.intermediate:
+        return False
+    optuna = _optuna()
+    study = optuna.create_study(direction=exp.objective.goal)
+    complete = optuna.trial.TrialState.COMPLETE
+    study.add_trials([
+        optuna.trial.create_trial(value=0.0, intermediate_values=medians, state=complete)
+        for _ in range(min(completed, PRUNER_STARTUP_TRIALS))
+    ])
+    trial = optuna.trial.create_trial(
+        intermediate_values=dict(current.intermediate), state=optuna.trial.TrialState.RUNNING
     )
     pruner = optuna.pruners.MedianPruner(
         n_startup_trials=PRUNER_STARTUP_TRIALS, n_warmup_steps=PRUNER_WARMUP_STEPS

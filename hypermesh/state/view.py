@@ -364,13 +364,10 @@ a large workflow before folding it (64 blocks: at most 16,384 tasks)."""
 
 
 async def load_view(
-    etcd: Etcd, ks: Keyspace, wid: str | None = None, *, fold: bool = False,
-    experiment: str | None = None,
+    etcd: Etcd, ks: Keyspace, wid: str | None = None, *, fold: bool = False
 ) -> MeshView:
     """A view of the whole namespace, or of one workflow (raises NotFound), read in pages
-    at one revision. With ``experiment`` (and ``wid``), of that experiment's trials
-    alone (``hypermesh.state.search.trials_of``): its tasks or blocks and the attempts,
-    results and metrics they recorded, not its claims, controls or any node record.
+    at one revision.
 
     With ``fold`` (``status``), settled blocks past ``FOLD_AFTER_TASKS`` are kept as
     counts (``hypermesh/state/folding.py``): enough for every summary, in memory
@@ -381,15 +378,8 @@ async def load_view(
     if fold:
         view.fold_after = FOLD_AFTER_TASKS
         view.defer_batches = True  # a batch waits for its block, then folds with it
-
-    def narrow(prefix: str) -> str:  # "kind/wid/" to "kind/wid/exp/"
-        return prefix + f"{experiment}/" if experiment is not None else prefix
-
     blocks, batches = ks.kind_prefix("block", wid), ks.kind_prefix("bdone", wid)
     done: tuple[str, ...] = (blocks, batches)  # read first, skipped in the rest
-    if experiment is not None:
-        assert wid is not None, "an experiment of which workflow?"
-        blocks, batches = narrow(blocks), narrow(batches)
     if wid is None:
         done += (ks.kind_prefix("wf"),)  # what folding needs to know of an experiment
         rest = [ks.kind_prefix("wf"), ks.root]
@@ -400,13 +390,8 @@ async def load_view(
                 view.apply(key, found[0], 0, found[1])
         if wid not in view.workflows:
             raise NotFound(f"no workflow {wid!r} in namespace {ks.namespace!r}")
-        if experiment is None:
-            rest = [p for p in ks.workflow_prefixes(wid) if p.endswith("/") and p not in done]
-            rest.append(ks.nodes)  # how many nodes could run a waiting gang
-        else:
-            rest = [narrow(ks.kind_prefix(k, wid)) for k in ("task", "attempt", "result",
-                                                              "metrics")]
-            done = (blocks, batches)
+        rest = [p for p in ks.workflow_prefixes(wid) if p.endswith("/") and p not in done]
+        rest.append(ks.nodes)  # how many nodes could run a waiting gang
 
     def apply(kvs: list[Any], skip: tuple[str, ...] = ()) -> None:
         for kv in kvs:

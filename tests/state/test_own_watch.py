@@ -1,7 +1,8 @@
 """``--watch own`` against a real etcd: the mirror of a node that chooses blocks from
-its offers never receives the block kinds, metrics, nor another node's offer; a block
-claimed from an offer is read back whole (its tasks, its batches, the attempts left running);
-the leader's offer plan gives each block to one node and keeps what is still open."""
+its offers never receives the block kinds, metrics, pruning medians, nor another node's
+offer; a block claimed from an offer is read back whole (its tasks, its batches, the
+attempts left running); the leader's offer plan gives each block to one node and keeps
+what is still open."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_the_own_mirror_sees_neither_blocks_nor_metrics_nor_other_offers(
                  ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.workflow("w1")],
         "unseen": [ks.block(bref), ks.block_claim(bref), ks.block_batch(bref, 7, 1),
                    ks.offer("n10"), ks.offer("n"), ks.offer("n2"), ks.progress("w1"),
-                   ks.metrics(bref.task(0), 1)],
+                   ks.metrics(bref.task(0), 1), ks.prune_medians("w1", "e")],
     }
 
     async def scenario(etcd: Etcd) -> None:
