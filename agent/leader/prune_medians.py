@@ -11,10 +11,11 @@ which sees every trial, publishes exactly that for each experiment with ``prunin
 the experiment's size, and asks the same pruner with it
 (``search.prune_by_medians``).
 
-The leader works it out again when the experiment's count of finished trials changed,
-at most every ``PUBLISH_S`` (a change sooner waits for a round then), in a thread
-(Optuna builds the completed trials), and writes it only when it changed, fenced by the
-workflow's state as every leader write.
+While a node that watches only its own part is alive (such nodes register with
+``offers``), the leader works it out again when the experiment's count of finished
+trials changed, at most every ``PUBLISH_S`` (a change sooner waits for a round then),
+in a thread (Optuna builds the completed trials), and writes it only when it changed,
+fenced by the workflow's state as every leader write.
 """
 
 from __future__ import annotations
@@ -62,11 +63,14 @@ class PruneMedians:
         self._seen.clear()
 
     async def publish(self) -> None:
+        """Publish what changed; nothing while no node watches only its own part (a
+        small mesh, every node with a watch-all seat): none would read it."""
         a = self.agent
         view = a.view
         now = time.monotonic()
         live: set[tuple[str, str]] = set()
-        for wid, wf in list(view.workflows.items()):
+        readers = any(n.offers for n in view.nodes.values())
+        for wid, wf in list(view.workflows.items()) if readers else ():
             revision = view.workflow_state_revisions.get(wid)
             if revision is None or view.workflow_state(wid) in TERMINAL:
                 continue

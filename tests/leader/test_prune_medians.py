@@ -22,7 +22,7 @@ from hypermesh.state import search
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import BlockRef, Keyspace
-from hypermesh.state.records import dumps
+from hypermesh.state.records import NodeRecord, dumps
 from hypermesh.state.task_metrics import AttemptMetrics
 from hypermesh.state.view import MeshView, load_view
 from tests.state.fence_kit import endpoint, fresh_keyspace, running, workflow
@@ -77,9 +77,14 @@ def test_the_leader_publishes_the_medians_and_a_node_prunes_by_them(
             wid, _ = await running(etcd, ks, wf)
             for index, base in enumerate((1.0, 2.0, 3.0, 4.0)):
                 await finish(etcd, ks, wid, index, base)
+            await etcd.put(ks.node("n1"), dumps(NodeRecord("n1", "a:1").to_json()))
             host = Host(etcd, ks, await load_view(etcd, ks))
             medians = PruneMedians(host, host.wakes.append)
             key = ks.prune_medians(wid, "e")
+            await medians.publish()
+            assert await etcd.get(key) is None  # every node sees the metrics: none to read it
+            await etcd.put(ks.node("n2"), dumps(NodeRecord("n2", "a:2", offers=True).to_json()))
+            host.view = await load_view(etcd, ks)
             await medians.publish()
             got = await etcd.get(key)
             assert got is not None
