@@ -1,8 +1,8 @@
 """Searches on a large mesh (64 slots or more), end to end: real etcd, real agents. An
 adaptive search (TPE) and an experiment with pruning run in one-task blocks, not
 task by task. With ``--watch own`` a node receives neither blocks nor metrics: its
-pruning checks read the experiment's trials from etcd, and still stop the trials
-worse than the median."""
+pruning checks ask the pruner with the per-step medians the leader publishes
+(``prunemed/``), and still stop the trials worse than the median."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def test_on_a_large_mesh_pruning_stops_trials_in_blocks(mesh: Mesh, watch: str) 
     rows = mesh.hm_json("best", wid, "--incomplete", "-n", "7", "--json")
     steps = {row["params"]["q"]: len(row["curve"]) for row in rows}
     assert steps == {1: 100, 2: 100, 3: 100, 4: 100, 5: 100, 50: steps[50], 60: steps[60]}
-    assert steps[50] < 100 and steps[60] < 100, steps  # stopped well before their end
+    assert steps[50] < 100 and steps[60] < 100, steps  # stopped before their end
     assert_written_in_blocks(mesh, wid, 7)
     assert keys_of(mesh, "metrics", wid)  # stored, as every metric is
 
