@@ -79,8 +79,7 @@ class PruneMedians:
                     continue
                 key = (wid, exp.name)
                 live.add(key)
-                counts = view.counts.get(key)
-                ended = sum(counts[s] for s in TERMINAL) if counts else 0
+                ended = search.settle_experiment(view, wid, exp.name)
                 seen = self._seen.get(key)
                 if seen is not None and seen[0] == ended:
                     continue

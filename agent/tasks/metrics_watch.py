@@ -8,12 +8,14 @@ whether the trial should stop. When the attempt ends it reads and stores one las
 before the attempt's result is recorded, so the result always sees the final values.
 Attempts that report nothing cost one small read per poll and no etcd write.
 
-The pruner compares a trial with the experiment's completed trials. A node that
-watches the whole namespace has them in its view; one that watches its own part
-(``--watch own``) receives neither blocks nor metrics, and asks the same pruner with
-the per-step medians of the completed trials that the leader publishes
-(``agent/leader/prune_medians.py``) instead: one small key per experiment, read at
-most every ``MEDIANS_S`` (:class:`PruningMedians`), whatever the experiment's size.
+The pruner compares a trial with the experiment's completed trials, by the per-step
+medians of their values (``search.prune_by_medians``: the answer ``should_prune`` gives
+with the trials themselves, in a millisecond whatever their number). A node that
+watches the whole namespace works the medians out from its view, again only when one of
+the experiment's tasks finished; one that watches its own part (``--watch own``)
+receives neither blocks nor metrics, and reads the medians the leader publishes
+(``agent/leader/prune_medians.py``): one small key per experiment, at most every
+``MEDIANS_S`` (:class:`PruningMedians`).
 """
 
 from __future__ import annotations
@@ -175,19 +177,41 @@ class MetricsWatch:
         await self.flush(force=True)
 
 
+Medians = tuple[int, dict[int, float]]  # (completed trials, {step: median})
+
+
 class PruningMedians:
-    """The leader's pruning medians of experiments (``prunemed/``), read from etcd for
-    the pruning checks of a node that does not watch the whole namespace; each at most
-    ``MEDIANS_S`` old, one read shared by the node's trials of an experiment."""
+    """What a node's pruning checks compare with, per experiment: the leader's medians
+    (``prunemed/``) read from etcd, each at most ``MEDIANS_S`` old, for a node that does
+    not watch the whole namespace, or worked out from the view of one that does. One
+    read or one working-out serves every trial of the experiment on the node."""
 
     def __init__(self, etcd: Etcd, ks: Keyspace) -> None:
         self.etcd = etcd
         self.ks = ks
         self.reads = 0
-        self._got: dict[tuple[str, str], tuple[float, tuple[int, dict[int, float]]]] = {}
+        self.worked = 0
+        self._got: dict[tuple[str, str], tuple[float, Medians]] = {}
+        self._from_view: dict[tuple[str, str], tuple[int, Medians]] = {}
         self._lock = asyncio.Lock()
 
-    async def of(self, wid: str, experiment: str) -> tuple[int, dict[int, float]]:
+    async def from_view(self, view: MeshView, wid: str, exp: Experiment) -> Medians:
+        """The medians of ``exp``'s completed trials in ``view``, worked out again (in a
+        thread) only when one of its tasks finished since: nothing else changes them."""
+        key = (wid, exp.name)
+        async with self._lock:
+            self._from_view = {k: v for k, v in self._from_view.items()
+                               if k[0] in view.workflows}
+            ended = search.settle_experiment(view, wid, exp.name)
+            got = self._from_view.get(key)
+            if got is None or got[0] != ended:
+                trials = search.trials_of(view, wid, exp)  # on the loop: reads the view
+                medians = await asyncio.to_thread(search.median_curve, exp, trials)
+                self.worked += 1
+                got = self._from_view[key] = (ended, medians)
+            return got[1]
+
+    async def of(self, wid: str, experiment: str) -> Medians:
         """``(completed trials, {step: median})``; ``(0, {})`` before the leader's first."""
         async with self._lock:  # trials of one experiment asking at once share a read
             now = time.monotonic()
@@ -237,13 +261,13 @@ def attempt_watch(
         current = search.Trial(
             ref.index, params, "running", None, metrics.intermediate(exp.objective.metric)
         )
+        medians = agent.pruning_medians
         if agent.view_whole.is_set():
-            others = search.trials_of(agent.view, ref.workflow, exp)  # read in the loop
-            decided = await asyncio.to_thread(search.should_prune, exp, others, current)
+            completed, steps = await medians.from_view(agent.view, ref.workflow, exp)
         else:
-            completed, medians = await agent.pruning_medians.of(ref.workflow, exp.name)
-            decided = await asyncio.to_thread(search.prune_by_medians, exp, completed,
-                                              medians, current)
+            completed, steps = await medians.of(ref.workflow, exp.name)
+        decided = await asyncio.to_thread(search.prune_by_medians, exp, completed, steps,
+                                          current)
         if decided:
             agent.decide(f"{ref} attempt {n} pruned at step {max(current.intermediate)}")
         return decided

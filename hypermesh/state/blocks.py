@@ -86,9 +86,9 @@ def placed_per_block(exp: Experiment) -> bool:
       once than the cap allows (the leader offers each block with a free slot);
     - an adaptive search: the leader writes each trial it suggests as a one-task block
       (it sees every result: ``agent/leader/duty.py``);
-    - pruning: the holder asks the pruner with the experiment's trials from its view
-      or, on a node that watches its own part, with the per-step medians the leader
-      publishes (``agent/leader/prune_medians.py``).
+    - pruning: the holder asks the pruner with the per-step medians of the completed
+      trials, from its view or, on a node that watches its own part, as the leader
+      publishes them (``agent/leader/prune_medians.py``).
     """
     if exp.batch == 1 or not (
         exp.hardware.gpus or exp.inputs or exp.prefer_pools or exp.workers is not None

@@ -26,6 +26,7 @@ from hypermesh.state.records import NodeRecord, dumps
 from hypermesh.state.task_metrics import AttemptMetrics
 from hypermesh.state.view import MeshView, load_view
 from tests.state.fence_kit import endpoint, fresh_keyspace, running, workflow
+from tests.state.test_model import Feed
 
 PRUNED = """
 experiments:
@@ -144,3 +145,34 @@ def test_the_pruner_answers_from_the_medians_as_from_the_trials(seed: int) -> No
         assert search.prune_by_medians(exp, completed, medians, current) == expected, trials
         said.append(expected)
     assert 0 < sum(said) < len(said)  # both answers were asked for
+
+
+def test_a_node_that_sees_every_trial_works_the_medians_out_again_as_trials_finish() -> None:
+    """A follower's view defers block batches: the medians still count every completed
+    trial, and are worked out again when a task finished, not at every check."""
+    feed = Feed()
+    wf = feed.workflow("w", PRUNED % "minimize", state="running")
+    exp = wf.recipe.experiment("e")
+    feed.view.defer_batches = True
+    medians = PruningMedians(Etcd(["127.0.0.1:1"]), feed.ks)  # never reads etcd here
+
+    def finish_in(index: int, base: float) -> None:
+        bref = BlockRef("w", "e", index)
+        feed.put(feed.ks.block(bref), {"params": [{"lr": index / 10}]})
+        feed.put(feed.ks.metrics(bref.task(0), 1), json.loads(curve(base)))
+        feed.put(f"{feed.ks.block_batches(bref)}b{index}", Batch(
+            "n1", (AttemptEntry(index, 1, "succeeded", 0, None, 1.0, 2.0),),
+            (ResultEntry(index, "succeeded", 1, 0, 2.0),)).to_json())
+
+    async def scenario() -> None:
+        for index, base in enumerate((1.0, 2.0, 3.0, 4.0, 5.0)):
+            finish_in(index, base)
+        first = await medians.from_view(feed.view, "w", exp)
+        assert first[0] == 5 and first[1] == pytest.approx({0: 3.0, 1: 1.5, 2: 1.0})
+        assert await medians.from_view(feed.view, "w", exp) is first and medians.worked == 1
+        finish_in(5, 9.0)
+        again = await medians.from_view(feed.view, "w", exp)
+        assert medians.worked == 2 and again[0] == 6
+        assert again[1] == pytest.approx({0: 3.5, 1: 1.75, 2: 3.5 / 3})
+
+    asyncio.run(scenario())
