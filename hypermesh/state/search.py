@@ -221,8 +221,9 @@ def should_prune(exp: Experiment, others: list[Trial], current: Trial) -> bool:
 def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, float]]:
     """What ``MedianPruner`` compares a trial with, from ``trials`` (those of ``exp``):
     how many completed trials it counts, and per step the median of their intermediate
-    values (a step none of them reported is left out). The leader publishes it for the
-    nodes that do not see every trial (``agent/leader/prune_medians.py``)."""
+    values (a step none of them reported is left out). A node that sees every trial
+    works it out from its view (``agent/tasks/metrics_watch.py``); the leader publishes
+    it for those that do not (``agent/leader/prune_medians.py``)."""
     if exp.objective is None:
         return 0, {}
     optuna = _optuna()
