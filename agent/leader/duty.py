@@ -40,6 +40,7 @@ from hypermesh.state.txns import (
 )
 
 if TYPE_CHECKING:
+    from hypermesh.agent.tasks.metrics_watch import PruningMedians
     from hypermesh.config import AgentConfig
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace
@@ -59,6 +60,7 @@ class LeaderHost(Protocol):
     view: MeshView
     etcd: Etcd
     ks: Keyspace
+    pruning_medians: PruningMedians  # the leader publishes what its own checks use
 
     def decide(self, message: str) -> None: ...
 

@@ -14,13 +14,13 @@ the experiment's size, and asks the same pruner with it
 While a node that watches only its own part is alive (such nodes register with
 ``offers``), the leader works it out again when the experiment's count of finished
 trials changed, at most every ``PUBLISH_S`` (a change sooner waits for a round then),
-in a thread (Optuna builds the completed trials), and writes it only when it changed,
-fenced by the workflow's state as every leader write.
+with the figures its own pruning checks use (``PruningMedians.from_view``: worked out
+once per change, in a thread), and writes it only when it changed, fenced by the
+workflow's state as every leader write.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +32,7 @@ from hypermesh.state.records import TERMINAL
 from hypermesh.state.txns import state_guard
 
 if TYPE_CHECKING:
+    from hypermesh.agent.tasks.metrics_watch import PruningMedians
     from hypermesh.state.etcd import Etcd
     from hypermesh.state.keyspace import Keyspace
     from hypermesh.state.view import MeshView
@@ -47,6 +48,7 @@ class MediansHost(Protocol):
     etcd: Etcd
     ks: Keyspace
     view: MeshView
+    pruning_medians: PruningMedians
 
 
 class PruneMedians:
@@ -86,10 +88,8 @@ class PruneMedians:
                 if seen is not None and now - seen[1] < PUBLISH_S:
                     self.wake_at(seen[1] + PUBLISH_S)  # a round then, if none comes sooner
                     continue
-                trials = search.trials_of(view, wid, exp)  # on the loop: reads the view
                 try:
-                    completed, medians = await asyncio.to_thread(search.median_curve, exp,
-                                                                 trials)
+                    completed, medians = await a.pruning_medians.from_view(view, wid, exp)
                 except Exception:  # pruning elsewhere waits; the workflow goes on
                     log.exception("working out the pruning medians of %s/%s", wid, exp.name)
                     self._seen[key] = (ended, now, seen[2] if seen is not None else None)

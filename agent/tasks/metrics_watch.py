@@ -200,11 +200,11 @@ class PruningMedians:
         thread) only when one of its tasks finished since: nothing else changes them."""
         key = (wid, exp.name)
         async with self._lock:
-            self._from_view = {k: v for k, v in self._from_view.items()
-                               if k[0] in view.workflows}
             ended = search.settle_experiment(view, wid, exp.name)
             got = self._from_view.get(key)
             if got is None or got[0] != ended:
+                self._from_view = {k: v for k, v in self._from_view.items()
+                                   if k[0] in view.workflows}  # forget deleted workflows
                 trials = search.trials_of(view, wid, exp)  # on the loop: reads the view
                 medians = await asyncio.to_thread(search.median_curve, exp, trials)
                 self.worked += 1
@@ -215,9 +215,9 @@ class PruningMedians:
         """``(completed trials, {step: median})``; ``(0, {})`` before the leader's first."""
         async with self._lock:  # trials of one experiment asking at once share a read
             now = time.monotonic()
-            self._got = {k: v for k, v in self._got.items() if now - v[0] <= MEDIANS_S}
             got = self._got.get((wid, experiment))
-            if got is None:
+            if got is None or now - got[0] > MEDIANS_S:
+                self._got = {k: v for k, v in self._got.items() if now - v[0] <= MEDIANS_S}
                 found = await self.etcd.get(self.ks.prune_medians(wid, experiment))
                 self.reads += 1
                 value = search.parse_medians(found[0]) if found is not None else (0, {})

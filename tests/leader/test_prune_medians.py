@@ -45,6 +45,10 @@ class Host:
     ks: Keyspace
     view: MeshView
     wakes: list[float] = field(default_factory=list)
+    pruning_medians: PruningMedians = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pruning_medians = PruningMedians(self.etcd, self.ks)
 
 
 def curve(base: float, steps: int = 3) -> bytes:
