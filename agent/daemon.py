@@ -77,6 +77,7 @@ from hypermesh.agent.tasks.task_env import host_env
 from hypermesh.config import SMALL_MESSAGE_GRPC_OPTIONS, AgentConfig
 from hypermesh.errors import EtcdUnavailable, LeaseLost
 from hypermesh.etcd_security import PLAINTEXT
+from hypermesh.etcd_watch import Following
 from hypermesh.exposure import dashboard_https, warn_exposed
 from hypermesh.state.etcd import Etcd, hush_broken_stream_noise, keepalive_interval
 from hypermesh.state.folding import FOLD_AFTER_TASKS
@@ -319,6 +320,9 @@ class Agent:
     def _start_mirror(
         self, ranges: list[tuple[str, str]], ready: asyncio.Event
     ) -> asyncio.Task[None]:
+        # Watching its own part, the node follows the workflows it works on as well.
+        following = Following(self.ks.workflow_ranges) if ranges else None
+        self.view.following = following
         task = asyncio.create_task(
             self.etcd.mirror(
                 self.ks.root,
@@ -330,6 +334,7 @@ class Agent:
                 first=(self.ks.kind_prefix("wf"), self.ks.kind_prefix("block")),
                 tidy=self.view.fold_settled,
                 ranges=ranges,
+                following=following,
             ),
             name="mirror",
         )

@@ -11,7 +11,10 @@ neither, hence this module:
 - a *progress request* on the stream is answered, once every watcher on it has been sent
   everything up to etcd's current revision, with that revision: a reader whose ranges
   saw no change still learns how far the namespace has come, which a read-your-writes
-  gate needs after a write outside its ranges.
+  gate needs after a write outside its ranges;
+- watchers can be added to and cancelled on an open stream: such a follower also follows
+  the plan keys of the workflows it works on, for as long as it works on them
+  (:class:`Following`), and of no other.
 
 :class:`RangeWatch` yields :class:`Change` s. ``Change.revision`` is the *consistent*
 revision: every event at or below it, in every range, has been yielded. Events of one
@@ -25,12 +28,15 @@ got (``applied``), so that no event is yielded twice.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from etcd3aio._protobuf import WatchCreateRequest, WatchRequest
+from etcd3aio._protobuf import WatchCancelRequest, WatchCreateRequest, WatchRequest
+
+log = logging.getLogger(__name__)
 
 ALL_WATCHERS = -1
 """The watch id etcd gives a progress report that covers every watcher of the stream."""
@@ -68,7 +74,9 @@ class RangeWatch:
     ``stub`` is a Watch stub on an etcd channel, ``metadata`` what its calls carry (the
     auth token). ``applied[i]``: the revision up to which range ``i`` was already applied
     by an earlier watch (its events at or below are dropped); default ``start_revision -
-    1`` for every range. Use as an async context manager, then iterate; one reader."""
+    1`` for every range. Use as an async context manager, then iterate; one reader.
+    Range ``i`` is watcher ``i``; :meth:`add` gives the ranges it adds the next ids, and
+    :meth:`cancel` stops watchers by id."""
 
     def __init__(
         self,
@@ -86,9 +94,12 @@ class RangeWatch:
         self._stub = stub
         self._ranges = list(ranges)
         self._start = start_revision
-        self._seen = list(applied) if applied is not None else [start_revision - 1] * len(ranges)
-        if len(self._seen) != len(self._ranges):
+        seen = list(applied) if applied is not None else [start_revision - 1] * len(ranges)
+        if len(seen) != len(self._ranges):
             raise ValueError("applied needs one revision per range")
+        self._seen: dict[int, int] = dict(enumerate(seen))  # watcher id -> yielded up to
+        self._next_id = len(seen)
+        self._cancelled: set[int] = set()  # by cancel(): etcd's late answers are ignored
         self._metadata = tuple(metadata) if metadata else None
         self._call: Any = None
         self._write_lock = asyncio.Lock()
@@ -96,12 +107,13 @@ class RangeWatch:
     @property
     def revision(self) -> int:
         """Every event at or below this revision, in every range, has been yielded."""
-        return min(self._seen)
+        return min(self._seen.values())
 
     @property
     def applied(self) -> list[int]:
-        """How far each range has been yielded: pass to the next watch on a resume."""
-        return list(self._seen)
+        """How far each range given to the constructor has been yielded: pass to the
+        next watch of the same ranges on a resume."""
+        return [self._seen[i] for i in range(len(self._ranges))]
 
     async def __aenter__(self) -> RangeWatch:
         self._call = self._stub.Watch(metadata=self._metadata)
@@ -114,6 +126,29 @@ class RangeWatch:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+
+    async def add(self, ranges: Sequence[tuple[bytes, bytes]], read_at: int) -> list[int]:
+        """Watch ``ranges`` too, on this stream, from just after ``read_at``: the revision
+        their keys were read at, which is at least any this stream yielded, so the
+        consistent revision does not go back. Their watcher ids, to :meth:`cancel`."""
+        ids = []
+        for start, end in ranges:
+            watch_id, self._next_id = self._next_id, self._next_id + 1
+            self._seen[watch_id] = read_at
+            ids.append(watch_id)
+            await self._write(WatchRequest(create_request=WatchCreateRequest(
+                key=start, range_end=end, start_revision=read_at + 1, watch_id=watch_id)))
+        return ids
+
+    async def cancel(self, ids: Sequence[int]) -> None:
+        """Stop the watchers ``ids``: nothing more of theirs is yielded, and they no
+        longer hold the consistent revision back. The last watcher is never cancelled."""
+        for watch_id in ids:
+            if watch_id in self._seen and len(self._seen) > 1:
+                del self._seen[watch_id]
+                self._cancelled.add(watch_id)
+                await self._write(WatchRequest(
+                    cancel_request=WatchCancelRequest(watch_id=watch_id)))
 
     async def _write(self, request: WatchRequest) -> None:
         async with self._write_lock:
@@ -134,6 +169,9 @@ class RangeWatch:
                 raise WatchEnded("etcd closed the watch stream")
             if resp.compact_revision:
                 raise WatchCompacted(int(resp.compact_revision))
+            if resp.canceled and int(resp.watch_id) in self._cancelled:
+                self._cancelled.discard(int(resp.watch_id))  # as asked: its last answer
+                continue
             if resp.canceled:
                 raise WatchEnded(f"etcd cancelled the watch: {resp.cancel_reason or 'no reason'}",
                                  cancelled=True)
@@ -147,13 +185,86 @@ class RangeWatch:
         if not resp.events:
             # A progress report: of every watcher (etcd 3.5), or of this one (3.4).
             reported = int(resp.header.revision)
-            ids = range(len(self._seen)) if watch_id == ALL_WATCHERS else [watch_id]
+            ids = list(self._seen) if watch_id == ALL_WATCHERS else [watch_id]
             for i in ids:
-                self._seen[i] = max(self._seen[i], reported)
+                if i in self._seen:
+                    self._seen[i] = max(self._seen[i], reported)
             return Change(self.revision)
+        if watch_id not in self._seen:
+            return Change(self.revision)  # a cancelled watcher's events, sent before it ended
         floor = self._seen[watch_id]
         events = [ev for ev in resp.events if ev.kv.mod_revision > floor]
         if events:
             # etcd sends all of one revision's events of a watcher in one answer.
             self._seen[watch_id] = max(floor, int(events[-1].kv.mod_revision))
         return Change(self.revision, events)
+
+
+class Following:
+    """Ranges a partial watch follows by name for as long as it is asked to: a node that
+    watches its own part (``Keyspace.own_ranges``) follows a workflow's plan keys
+    (``Keyspace.workflow_ranges``) from when a key it receives names the workflow until
+    the workflow is deleted, and no other workflow's.
+
+    Whoever applies the watch's keys asks, with :meth:`want` and :meth:`drop`; the watch
+    loop (``hypermesh.state.etcd.Etcd.mirror``) reads a wanted name's keys, applies them
+    and adds its ranges to the open stream, then watches them until dropped. A name whose
+    first range (its anchor: the workflow record) holds no key is not followed: it is
+    gone, or was never there."""
+
+    def __init__(self, ranges_of: Callable[[str], Sequence[tuple[str, str]]]) -> None:
+        self.ranges_of = ranges_of
+        self.followed: dict[str, list[int]] = {}  # name -> its watcher ids on the stream
+        self.wanted: set[str] = set()
+        self.unwanted: set[str] = set()
+
+    def want(self, name: str) -> None:
+        if name not in self.followed:
+            self.wanted.add(name)
+
+    def drop(self, name: str) -> None:
+        self.wanted.discard(name)
+        if name in self.followed:
+            self.unwanted.add(name)
+
+    def ranges(self) -> list[tuple[str, str]]:
+        """The ranges of every followed name, in ``followed``'s order."""
+        return [r for name in self.followed for r in self.ranges_of(name)]
+
+    def reopened(self, first_id: int) -> None:
+        """A new stream watches ``ranges()`` from watcher id ``first_id`` on."""
+        for name in self.followed:
+            count = len(self.ranges_of(name))
+            self.followed[name] = list(range(first_id, first_id + count))
+            first_id += count
+
+    def forget_absent(self, keys: set[bytes]) -> None:
+        """After a reload that read ``keys``: stop following the names whose anchor
+        went while no stream was open."""
+        for name in [n for n in self.followed if not self.anchored(n, keys)]:
+            del self.followed[name]
+            self.unwanted.discard(name)
+
+    def anchored(self, name: str, keys: set[bytes]) -> bool:
+        """Whether ``keys`` hold the name's anchor (a key in its first range)."""
+        start, end = self.ranges_of(name)[0]
+        return any(start.encode() <= key < end.encode() for key in keys)
+
+
+def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:
+    """When a streaming call breaks (etcd3aio's watches feed theirs from an async
+    generator), grpc.aio can leave the task that consumes the request iterator pending
+    and the generator half-closed (grpc/grpc#29518); asyncio then reports both as
+    errors, though nothing was lost and the stream is opened again. Those two go to the
+    debug log; every other report to asyncio's default handler."""
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        what = f"{context.get('task') or context.get('future')!r} {context.get('exception')!r}"
+        if "_consume_request_iterator" in what or (
+            "asynchronous generator is already running" in what
+        ):
+            log.debug("grpc.aio stream cleanup: %s %s", context.get("message"), what)
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)

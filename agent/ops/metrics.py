@@ -73,6 +73,7 @@ class Snapshot:
     serving: bool = True
     leader: bool = False
     whole: bool = True  # the node's view holds the whole namespace (not --watch own)
+    followed: int = 0  # workflows whose own keys the node's view follows
     slots: int = 0
     running: int = 0
     tasks_by_state: Counter[str] = field(default_factory=Counter)
@@ -137,6 +138,8 @@ def snapshot(agent: MeteredAgent) -> Snapshot:
         task_usage=list(agent.telemetry.tasks),
     )
     snap.whole = agent.view_whole.is_set()
+    following = view.following  # None: the view holds every workflow
+    snap.followed = len(view.workflows if following is None else following.followed)
     if snap.whole:
         for wid in view.workflows:  # as `hypermesh status` counts them, at O(experiments)
             summary = view.workflow_summary(wid)
@@ -216,6 +219,9 @@ def families(s: Snapshot) -> list[Metric]:
     gauge("hypermesh_node_leader", "1 on the mesh's leader.", s.leader)
     gauge("hypermesh_node_slots", "Tasks the node runs at once.", s.slots)
     gauge("hypermesh_node_running_tasks", "Attempts running on the node now.", s.running)
+    gauge("hypermesh_node_followed_workflows",
+          "Workflows whose keys the node receives: every one where it watches the whole "
+          "namespace, those it works on where it watches its own part.", s.followed)
 
     attempts = CounterMetricFamily(
         "hypermesh_node_attempts",

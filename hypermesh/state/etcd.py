@@ -26,7 +26,7 @@ from hypermesh.errors import (
     EtcdUnavailable,
     LeaseLost,
 )
-from hypermesh.etcd_endpoints import resolve
+from hypermesh.etcd_endpoints import first_answer, resolve
 from hypermesh.etcd_security import (
     PLAINTEXT,
     EtcdSecurity,
@@ -34,7 +34,13 @@ from hypermesh.etcd_security import (
     rpc_details,
     tls_hint,
 )
-from hypermesh.etcd_watch import RangeWatch, WatchCompacted, WatchEnded
+from hypermesh.etcd_watch import (
+    Following,
+    RangeWatch,
+    WatchCompacted,
+    WatchEnded,
+    hush_broken_stream_noise,
+)
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +274,15 @@ class Etcd:
                 kvs += page
         return kvs, read_at
 
+    async def get_ranges(self, ranges: Sequence[tuple[str, str]]) -> tuple[list[Any], int]:
+        """The key-values in a few small ``[start, end)`` ranges, read in one transaction
+        (one revision, one round trip, no paging), and the revision read at."""
+        reads = [KVService.txn_op_get(a.encode(), range_end=b.encode()) for a, b in ranges]
+        resp = await self._call("range", functools.partial(
+            self.kv.txn, [], reads, [], timeout=self.timeout))
+        return ([kv for r in resp.responses for kv in r.response_range.kvs],
+                int(resp.header.revision))
+
     async def pages(
         self, prefix: str, revision: int = 0, *, start: str | None = None,
         end: str | None = None, most: int = MAX_PAGE_KEYS,
@@ -468,7 +483,7 @@ class Etcd:
                     wait = min(self.timeout, max(0.5, interval / 3),
                                max(0.05, last_ok + give_up - sent))
                     if len(streams) > 1:  # rare: tasks are fine here
-                        stream, answer = await _first_answer(streams, request, wait)
+                        stream, answer = await first_answer(streams, request, wait)
                         streams = [stream]
                     else:  # asyncio.timeout, not wait_for: no task per renewal (3.11)
                         async with asyncio.timeout(wait):
@@ -583,6 +598,7 @@ class Etcd:
         first: Sequence[str] = (),
         tidy: Callable[[], None] | None = None,
         ranges: Sequence[tuple[str, str]] = (),
+        following: Following | None = None,
     ) -> None:
         """Feed every key under ``prefix`` to ``apply``, then every change, forever.
 
@@ -596,7 +612,9 @@ class Etcd:
         are never sent (``Keyspace.own_ranges``; ``submit --wait`` follows three keys
         this way). Each range's changes come in etcd's order, and ``on_batch`` gets a
         revision every range has caught up with; across ranges, a stream catching up
-        after a resume may interleave (``hypermesh/etcd_watch.py``).
+        after a resume may interleave (``hypermesh/etcd_watch.py``). With ``following``,
+        also the ranges of each name it is asked for, read and added to the open stream
+        when asked (``Following``; ``apply`` asks, for the workflows a node works on).
 
         A (re)load applies the keys under ``first`` before the others (the load is one
         snapshot: any order gives the same state), and calls ``tidy`` every
@@ -610,7 +628,10 @@ class Etcd:
             try:
                 if revision == 0:
                     if ranges:
-                        kvs, loaded_at = await self.get_prefix(prefix, ranges=ranges)
+                        followed = following.ranges() if following is not None else []
+                        kvs, loaded_at = await self.get_prefix(prefix, ranges=[*ranges, *followed])
+                        if following is not None:
+                            following.forget_absent({kv.key for kv in kvs})
                     else:
                         kvs, loaded_at = await self.get_prefix(prefix)
                     revision = loaded_at  # only once all of it is loaded
@@ -634,11 +655,15 @@ class Etcd:
                 # Our own stream, which never reopens by itself: after any break the
                 # loop resumes after the last event it applied (etcd3aio's watch reopened
                 # from its last answer's header, which can skip events).
-                watched = ([(a.encode(), b.encode()) for a, b in ranges] if ranges
+                partial = [*ranges, *(following.ranges() if following is not None else ())]
+                watched = ([(a.encode(), b.encode()) for a, b in partial] if ranges
                            else [(prefix.encode(), prefix_range_end(prefix))])
                 async with RangeWatch(
                     self.client.watch._stub, watched, revision + 1, metadata=self._metadata(),
                 ) as watch:
+                    if following is not None:
+                        following.reopened(len(ranges))
+                        await self._follow(watch, following, apply, on_batch)
                     async for change in watch:
                         for ev in change.events:
                             kv = ev.kv
@@ -647,6 +672,8 @@ class Etcd:
                         revision = change.revision
                         on_batch(revision)
                         backoff = 0.2
+                        if following is not None and (following.wanted or following.unwanted):
+                            await self._follow(watch, following, apply, on_batch)
             except WatchCompacted:
                 log.warning("watch on %s compacted; reloading", prefix)
                 revision = 0
@@ -673,6 +700,30 @@ class Etcd:
                         await self._authenticate()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _follow(self, watch: RangeWatch, following: Following,
+                      apply: Callable[[str, bytes | None, int, int], None],
+                      on_batch: Callable[[int], None]) -> None:
+        """Stop watching the names ``following`` no longer wants; read and apply the keys
+        of those it wants, then watch them on ``watch`` from the revision read at."""
+        while following.unwanted:
+            await watch.cancel(following.followed.pop(following.unwanted.pop(), []))
+        added = False
+        while following.wanted:
+            name = next(iter(following.wanted))  # still wanted if this read fails
+            named = following.ranges_of(name)
+            kvs, read_at = await self.get_ranges(named)
+            following.wanted.discard(name)
+            if name in following.followed or not following.anchored(
+                    name, {kv.key for kv in kvs}):
+                continue
+            for kv in kvs:
+                apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+            following.followed[name] = await watch.add(
+                [(a.encode(), b.encode()) for a, b in named], read_at)
+            added = True
+        if added:
+            on_batch(watch.revision)
 
 
 TXN_RETRY_BACKOFF_S = 0.1  # first pause before a transaction is tried again (doubles)
@@ -724,58 +775,6 @@ def _committed_at(success: Sequence[Any], reads: Sequence[Any]) -> int | None:
     if len(revisions) > 1:
         return None  # some of it was written again since
     return revisions.pop() if revisions else 0
-
-
-async def _first_answer(streams: Sequence[Any], request: Any, wait: float) -> tuple[Any, Any]:
-    """Write ``request`` on every keep-alive stream; the first of them to answer within
-    ``wait`` s, with its answer. The others are cancelled. If none answers: the last
-    error, else EOF (every stream ended), else ``TimeoutError``."""
-
-    async def renew(stream: Any) -> tuple[Any, Any]:
-        try:  # errors returned, not raised: a loser's is then never left unretrieved
-            await stream.write(request)
-            return stream, await stream.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            return stream, exc
-
-    tries = [asyncio.ensure_future(renew(stream)) for stream in streams]
-    winner, failed = None, None
-    try:
-        async with asyncio.timeout(wait):
-            for next_answer in asyncio.as_completed(tries):
-                stream, answer = await next_answer
-                if isinstance(answer, BaseException):
-                    failed = answer
-                elif answer is not grpc.aio.EOF:
-                    winner = stream
-                    return stream, answer
-    finally:
-        for attempt, stream in zip(tries, streams, strict=True):
-            attempt.cancel()
-            if stream is not winner:
-                stream.cancel()
-    if failed is not None:
-        raise failed
-    return streams[0], grpc.aio.EOF
-
-
-def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:
-    """When a streaming call breaks (etcd3aio's watches feed theirs from an async
-    generator), grpc.aio can leave the task that consumes the request iterator pending
-    and the generator half-closed (grpc/grpc#29518); asyncio then reports both as
-    errors, though nothing was lost and the stream is opened again. Those two go to the
-    debug log; every other report to asyncio's default handler."""
-
-    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        what = f"{context.get('task') or context.get('future')!r} {context.get('exception')!r}"
-        if "_consume_request_iterator" in what or (
-            "asynchronous generator is already running" in what
-        ):
-            log.debug("grpc.aio stream cleanup: %s %s", context.get("message"), what)
-            return
-        loop.default_exception_handler(context)
-
-    loop.set_exception_handler(handler)
 
 
 def keepalive_interval(ttl: int) -> float:

@@ -49,7 +49,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``offer/<node>``: the blocks the leader offers a node that chooses from offers
   (``agent start --watch own``, ``agent/leader/offers.py``); by the leader. Such a node
   watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no metrics, no other
-  node's offer, no progress summary.
+  node's offer, no progress summary, and the workflow keys (``wf/``, ``wfstate/``,
+  ``expanded/``, ``expctl/``, ``wfusage/``) only of the workflows it works on.
 - ``pool/<name>``: a pool's declaration (``hypermesh/state/pools.py``); by ``pool set``.
 - ``inst/<node>``: a node a provisioner started for the leader (pool, spot,
   provider id, when); by the leader, deleted when the node is released or lost.
@@ -251,14 +252,34 @@ class Keyspace:
         ``bcap/`` to ``block/``), the metrics attempts report (up to one write a second
         per attempt; the leader and the nodes that watch everything see them), the other
         nodes' offers, the progress summaries (for the CLI; the leader writes them every
-        second) and the pruning medians (``prunemed/``, which a pruning check here reads
-        on demand). What a task of a block costs such a node is then its own claim and
-        flushes, whatever the mesh's size."""
-        # "x0" ends the prefix "x/" ("0" follows "/"); "k\0" ends the key "k" alone.
+        second), the pruning medians (``prunemed/``, which a pruning check here reads on
+        demand), and every workflow's own keys (``wf/``, ``wfstate/``, ``expanded/``,
+        ``expctl/``, ``wfusage/``): such a node follows those of the workflows it works
+        on (:meth:`workflow_ranges`, ``hypermesh.etcd_watch.Following``), from when its
+        offer or a task key names them. What a task of a block costs such a node is then
+        its own claim and flushes, and a workflow costs only the nodes it runs on,
+        whatever the mesh's size."""
         r, mine = self.root, self.offer(node)
-        return [(r, f"{r}bcap/"), (f"{r}block0", f"{r}metrics/"), (f"{r}metrics0", f"{r}offer/"),
-                (mine, mine + "\0"), (f"{r}offer0", f"{r}progress/"),
-                (f"{r}progress0", f"{r}prunemed/"), (f"{r}prunemed0", r[:-1] + "0")]
+        holes = [(f"{r}{kind}/", f"{r}{kind}0")  # "0" follows "/": "x0" ends the prefix "x/"
+                 for kind in ("expanded", "expctl", "metrics", "offer", "progress", "prunemed",
+                              "wf", "wfstate", "wfusage")]
+        holes.append((f"{r}bcap/", f"{r}block0"))
+        ranges, start = [], r
+        for hole_start, hole_end in sorted(holes):
+            ranges.append((start, hole_start))
+            start = hole_end
+        ranges.append((start, r[:-1] + "0"))
+        return sorted([*ranges, (mine, mine + "\0")])  # "k\0" ends the key "k" alone
+
+    def workflow_ranges(self, wid: str) -> list[tuple[str, str]]:
+        """The ranges of the workflow keys that :meth:`own_ranges` leaves out and a node
+        working on the workflow follows: its record first (the anchor: the workflow
+        exists while it does), then its state and its experiments' expansions and live
+        changes (not its usage, which only the leader and the dashboard read)."""
+        exact = [self.workflow(wid), self.workflow_state(wid)]
+        prefixes = [self.kind_prefix(kind, wid) for kind in ("expanded", "expctl")]
+        return ([(key, key + "\0") for key in exact]
+                + [(p, p[:-1] + "0") for p in prefixes])
 
     # -- bursting: pools, provisioned nodes, decisions, usage
     def pool(self, name: str) -> str:

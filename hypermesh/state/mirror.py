@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hypermesh.errors import HypermeshError
+from hypermesh.etcd_watch import Following
 from hypermesh.state.blocks import Batch, OfferTables
 from hypermesh.state.folding import (
     AttemptKey,
@@ -34,6 +35,7 @@ from hypermesh.state.folding import (
 )
 from hypermesh.state.gangs import GangTable
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.pools import BurstTables
 from hypermesh.state.records import (
     Attempt,
     Claim,
@@ -53,18 +55,14 @@ def _decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
     return [int(row[0]) for row in batch.get("r", ())], [int(row[0]) for row in batch.get("o", ())]
 
 
-def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
-    if value is None:
-        table.pop(key, None)
-    else:
-        table[key] = value
-
-
 _BLOCK_KINDS = frozenset({"block", "bclaim", "bdone"})
 _PLAN_KINDS = frozenset({"node", "wf", "wfstate", "expctl", "expanded"})
+# The kinds a node that watches its own part receives that name a workflow (its offer
+# names those of its blocks); and the workflow record, whose deletion ends following it.
+_NAMING_KINDS = frozenset({"wf", "offer", "task", "claim", "attempt", "result", "slot", "gang"})
 
 
-class Mirror(OfferTables):
+class Mirror(OfferTables, BurstTables):
     """An in-memory mirror of a namespace, kept current by ``apply``.
 
     Only the owner of the mirror (one agent task, or the CLI) calls ``apply``,
@@ -79,6 +77,8 @@ class Mirror(OfferTables):
     def __init__(self, keyspace: Keyspace) -> None:
         self.ks = keyspace
         self.revision = 0
+        # ``--watch own``: which workflows' own keys the watch follows (see _follow_named).
+        self.following: Following | None = None
         self.settings = MeshSettings()  # the mesh's ``settings`` key, or the defaults
         self.nodes: dict[str, NodeRecord] = {}
         self.candidates: dict[str, tuple[int, str]] = {}  # key -> (create_revision, node)
@@ -105,15 +105,7 @@ class Mirror(OfferTables):
         # What the leader last published of each workflow (``progress/<wid>``): the
         # ``workflow_summary`` of its view then, followed by ``submit --wait``.
         self.progress: dict[str, dict[str, Any]] = {}
-        # Bursting (raw JSON and mod revision, read by agent/burst/duty.py and the CLI):
-        # pool declarations, provisioned nodes, node-seconds per pool and workflow.
-        self.pools: dict[str, dict[str, Any]] = {}
-        self.instances: dict[str, dict[str, Any]] = {}
-        # Provisioned nodes this view saw registered, even if gone again since: a spot
-        # node preempted within seconds of booting was up, not still booting.
-        self.booted: set[str] = set()
-        self.usage: dict[str, tuple[dict[str, Any], int]] = {}
-        self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self._init_burst_tables()
         self.gangs = GangTable()  # seats, rendezvous and member ends of gang tasks
         self._init_offer_tables()
         # For the leader's offer planning (agent/leader/offers.py): the blocks whose keys
@@ -159,10 +151,11 @@ class Mirror(OfferTables):
     # ------------------------------------------------------------------ feeding
     def reset(self) -> None:
         """Forget everything (before a full reload after a compacted watch) but whether
-        batches are deferred and when blocks are folded."""
+        batches are deferred, when blocks are folded and which workflows are followed."""
         defer, fold_after, epoch = self.defer_batches, self.fold_after, self.offer_epoch
+        following = self.following
         self.__init__(self.ks)  # type: ignore[misc]
-        self.defer_batches, self.fold_after = defer, fold_after
+        self.defer_batches, self.fold_after, self.following = defer, fold_after, following
         self.offer_epoch = epoch + 1  # and the offers are planned whole again
 
     def apply(
@@ -182,6 +175,8 @@ class Mirror(OfferTables):
             if data is not None and not isinstance(data, dict):
                 raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             handler(parts, data, create_revision, mod_revision)
+            if self.following is not None and kind in _NAMING_KINDS:
+                self._follow_named(kind, parts[0], data)
             if kind in _BLOCK_KINDS:
                 if self.offer_blocks is not None:
                     self.offer_blocks.add(BlockRef(parts[0], parts[1], int(parts[2])))
@@ -190,6 +185,26 @@ class Mirror(OfferTables):
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, HypermeshError) as exc:
             # A malformed key must not stop the mirror; it is skipped and reported.
             log.warning("ignoring malformed key %s: %s", key, exc)
+
+    def _follow_named(self, kind: str, name: str, data: Any) -> None:
+        """A mirror of a node's own part (``Keyspace.own_ranges``) follows the keys of
+        each workflow from the first key it receives that names it (this node's offer,
+        or a per-task key) until the workflow record is deleted (the deletion's other
+        keys, ``hypermesh/state/cleanup.py``, then never reach it: they are forgotten)."""
+        assert self.following is not None
+        if kind == "wf" and data is None:  # its other keys go later: unseen, so forget them
+            self.following.drop(name)
+            for states in (self.workflow_states, self.workflow_state_revisions,
+                           self.workflow_reasons):
+                states.pop(name, None)
+            for table in (self.expanded, self.controls):
+                for key in [k for k in table if k[0] == name]:
+                    del table[key]
+        elif kind == "offer":
+            for wid in {bref.workflow for bref in self.offers.get(name, ((), 0))[0]}:
+                self.following.want(wid)
+        elif kind != "wf" and data is not None:
+            self.following.want(name)
 
     def _apply_settings(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         self.settings = MeshSettings() if data is None else MeshSettings.from_json(data)
@@ -249,22 +264,6 @@ class Mirror(OfferTables):
             self.expanded.pop((parts[0], parts[1]), None)
         else:
             self.expanded[(parts[0], parts[1])] = int(data["count"])
-
-    def _apply_pool(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
-        _put_or_pop(self.pools, parts[0], data)
-
-    def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
-        _put_or_pop(self.instances, parts[0], data)
-        if data is None:
-            self.booted.discard(parts[0])
-        elif parts[0] in self.nodes:
-            self.booted.add(parts[0])
-
-    def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
-        _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
-
-    def _apply_wfusage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
-        _put_or_pop(self.workflow_usage, parts[0], None if data is None else (data, mrev))
 
     def _ref(self, parts: list[str]) -> TaskRef:
         return TaskRef(parts[0], parts[1], int(parts[2]))

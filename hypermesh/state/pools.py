@@ -178,3 +178,44 @@ def usage_cost(usage: dict[str, dict[str, float]], pools: dict[str, Pool]) -> di
         "on_demand_cost": round(on_demand, 6),
         "pools": per_pool,
     }
+
+
+def _put_or_pop(table: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value
+
+
+class BurstTables:
+    """The mirror's tables of bursting records (raw JSON and mod revision, read by
+    ``agent/burst/duty.py`` and the CLI): pool declarations, provisioned nodes,
+    node-seconds per pool and per workflow. Part of ``hypermesh.state.mirror.Mirror``
+    (which calls ``_init_burst_tables`` and holds ``nodes``), fed by its ``apply``."""
+
+    nodes: Mapping[str, Any]
+
+    def _init_burst_tables(self) -> None:
+        self.pools: dict[str, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+        # Provisioned nodes this view saw registered, even if gone again since: a spot
+        # node preempted within seconds of booting was up, not still booting.
+        self.booted: set[str] = set()
+        self.usage: dict[str, tuple[dict[str, Any], int]] = {}
+        self.workflow_usage: dict[str, tuple[dict[str, Any], int]] = {}
+
+    def _apply_pool(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.pools, parts[0], data)
+
+    def _apply_inst(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.instances, parts[0], data)
+        if data is None:
+            self.booted.discard(parts[0])
+        elif parts[0] in self.nodes:
+            self.booted.add(parts[0])
+
+    def _apply_usage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.usage, parts[0], None if data is None else (data, mrev))
+
+    def _apply_wfusage(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
+        _put_or_pop(self.workflow_usage, parts[0], None if data is None else (data, mrev))

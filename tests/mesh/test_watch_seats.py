@@ -1,18 +1,22 @@
 """``agent start --watch auto`` (the default) on real agents and a real etcd: a node
 watches the whole namespace while one of the mesh's ``watch-all`` seats is free, and
-only its own part once they are all taken; a seat lives on its holder's lease."""
+only its own part once they are all taken; a seat lives on its holder's lease. A node
+that watches its own part receives the keys of the workflows it works on, and of no
+other, until they are deleted."""
 
 from __future__ import annotations
 
 import asyncio
 
 from hypermesh.etcd_endpoints import parse_endpoints
+from hypermesh.local.agents import AgentProcess
 from hypermesh.local.processes import wait_for
 from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import Keyspace
 from hypermesh.state.settings import take_watch_seat
 from tests.conftest import Mesh
 from tests.mesh.test_mesh import successes
+from tests.ops.test_metrics import parse, scrape
 
 
 def watching(mesh: Mesh) -> dict[str, str]:
@@ -72,3 +76,41 @@ def test_nodes_starting_at_once_never_take_more_seats_than_there_are(mesh: Mesh)
     assert sorted(taken) == [0, 1, 2], seats
     assert sorted(held) == [ks.watch_seat(s) for s in (0, 1, 2)]
     assert sorted(held.values()) == sorted(f"n{i}" for i, s in enumerate(seats) if s is not None)
+
+
+def followed(agent: AgentProcess) -> float:
+    """The workflows whose keys the agent receives, from its /metrics."""
+    metrics = parse(scrape((agent.work_dir / "agent.metrics").read_text().strip()))
+    return metrics[("hypermesh_node_followed_workflows", ())]
+
+
+def test_a_node_that_watches_its_own_part_follows_only_the_workflows_it_works_on(
+    mesh: Mesh,
+) -> None:
+    """Two workflows in blocks, each restricted to one follower's pool: each follower
+    runs its own, follows only that one (its offer named it), and stops following it
+    once it is deleted; the leader, whose view is whole, sees both."""
+    own = ("--watch", "own")
+    lead = mesh.agent("node1", slots=1, extra=(*own, "--pool", "lead"))  # runs nothing
+    wait_for(lambda: [n["name"] for n in mesh.hm_json("nodes") if n["leader"]] == ["node1"],
+             30, "node1 to lead")
+    followers = {pool: mesh.agent(f"node-{pool}", slots=2, extra=(*own, "--pool", pool))
+                 for pool in ("a", "b")}
+    wait_for(lambda: len(mesh.hm_json("nodes")) == 3, 30, "three nodes registered")
+    wids = {}
+    for pool in ("a", "b"):
+        recipe = mesh.write_recipe(
+            f"experiments:\n  e:\n    samples: 6\n    batch: 2\n    pools: [{pool}]\n"
+            "    command: ['true']\n", name=f"{pool}.yaml")
+        wids[pool] = mesh.submit(recipe)
+    for pool, wid in wids.items():
+        assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)["state"] == "succeeded"
+        tasks = mesh.hm_json("tasks", wid)
+        assert {t["node"] for t in tasks} == {f"node-{pool}"}, tasks
+    assert wait_for(lambda: followed(lead) == 2, 15, "the leader to see both workflows")
+    for agent in followers.values():
+        assert followed(agent) == 1
+    mesh.hm_json("delete", wids["a"])
+    wait_for(lambda: followed(followers["a"]) == 0, 15, "node-a to stop following its workflow")
+    wait_for(lambda: followed(lead) == 1, 15, "the leader to drop the deleted workflow")
+    assert followed(followers["b"]) == 1

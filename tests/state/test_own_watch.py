@@ -1,23 +1,27 @@
 """``--watch own`` against a real etcd: the mirror of a node that chooses blocks from
 its offers never receives the block kinds, metrics, pruning medians, nor another node's
-offer; a block claimed from an offer is read back whole (its tasks, its batches, the
-attempts left running); the leader's offer plan gives each block to one node and keeps
-what is still open."""
+offer, and a workflow's own keys only while it works on the workflow; a block claimed
+from an offer is read back whole (its tasks, its batches, the attempts left running);
+the leader's offer plan gives each block to one node and keeps what is still open."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from hypermesh.agent.leader.offers import plan_offers
 from hypermesh.agent.tasks.blocks import _block_state, block_view
+from hypermesh.etcd_watch import Following
 from hypermesh.local.etcd import EtcdServer
+from hypermesh.recipe.recipe import parse_recipe
 from hypermesh.state.block_txns import claim_open_block, read_block
 from hypermesh.state.blocks import AttemptEntry, Batch, ResultEntry
 from hypermesh.state.etcd import Etcd
-from hypermesh.state.keyspace import BlockRef, Keyspace
-from hypermesh.state.records import NodeRecord, dumps
+from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
+from hypermesh.state.records import NodeRecord, WorkflowRecord, dumps
+from hypermesh.state.view import MeshView
 from tests.state.test_model import Feed
 from tests.tasks.test_blocks import TRIVIAL, batch, feed_block
 
@@ -46,11 +50,14 @@ def test_the_own_mirror_sees_neither_blocks_nor_metrics_nor_other_offers(
     ks = Keyspace(f"own{uuid.uuid4().hex[:8]}")
     bref = BlockRef("w1", "e", 0)
     kinds = {
-        "seen": [ks.node("n1"), ks.workflow_state("w1"), ks.offer("n1"), ks.result(bref.task(0)),
-                 ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.workflow("w1")],
+        "seen": [ks.node("n1"), ks.pool("p"), ks.offer("n1"), ks.result(bref.task(0)),
+                 ks.attempt(bref.task(0), 1), ks.claim(bref.task(0)), ks.usage("p")],
         "unseen": [ks.block(bref), ks.block_claim(bref), ks.block_batch(bref, 7, 1),
                    ks.offer("n10"), ks.offer("n"), ks.offer("n2"), ks.progress("w1"),
-                   ks.metrics(bref.task(0), 1), ks.prune_medians("w1", "e")],
+                   ks.metrics(bref.task(0), 1), ks.prune_medians("w1", "e"),
+                   # a workflow's own keys: followed only while it is worked on (below)
+                   ks.workflow("w1"), ks.workflow_state("w1"), ks.expanded("w1", "e"),
+                   ks.experiment_control("w1", "e"), ks.workflow_usage("w1")],
     }
 
     async def scenario(etcd: Etcd) -> None:
@@ -147,3 +154,92 @@ def test_each_block_is_offered_to_one_node_and_an_offer_keeps_what_is_open() -> 
     assert cursors.get(("w", "e"), 0) == 0  # b[0] is held, not finished: the scan starts there
     feed.put(feed.ks.experiment_control("w", "e"), {"cancelled": True})
     assert plan_offers(feed.view, cursors) == {"n1": ()}
+
+
+def test_the_own_mirror_follows_a_workflow_from_the_first_key_naming_it_until_its_deletion(
+    tmp_path: Path,
+) -> None:
+    """A node that watches its own part receives a workflow's keys (record, state,
+    expansions, live changes) once its offer or a per-task key names the workflow, and
+    from then on its changes, across an etcd restart; none once the workflow record is
+    deleted. A mirror that starts (or reloads) with followed workflows loads them, and
+    forgets one deleted meanwhile."""
+    server = EtcdServer(tmp_path / "etcd", fsync=False).start()
+    ks = Keyspace(f"fol{uuid.uuid4().hex[:8]}")
+    recipe = parse_recipe("experiments:\n  e:\n    samples: 4\n    command: ['true']\n")
+
+    async def submitted(etcd: Etcd, wid: str) -> None:
+        record = WorkflowRecord(id=wid, name=wid, recipe=recipe, seed=1, submitted_at=1.0,
+                                workdir="/tmp")
+        await etcd.put(ks.workflow(wid), dumps(record.to_json()))
+        await etcd.put(ks.workflow_state(wid), dumps({"state": "running"}))
+        await etcd.put(ks.expanded(wid, "e"), dumps({"count": 4}))
+
+    async def deleted(etcd: Etcd, view: MeshView, wid: str) -> None:
+        """Delete ``wid`` as hypermesh/state/cleanup.py does (its own keys, later the
+        rest): the view forgets it, and receives none of its keys any more."""
+        assert view.following is not None
+        gone = await etcd.txn([], [etcd.op_delete(ks.workflow(wid)),
+                                   etcd.op_delete(ks.workflow_state(wid))])
+        assert gone.succeeded
+        await until(lambda: wid not in view.following.followed, f"{wid} no longer followed")
+        assert wid not in view.workflows and wid not in view.workflow_states
+        assert (wid, "e") not in view.expanded  # forgotten: its deletion is not seen
+        await etcd.txn([], [etcd.op_delete(ks.expanded(wid, "e"))])
+        await etcd.put(ks.workflow_state(wid), dumps({"state": "running"}))  # a stray write
+        await etcd.put(ks.pool(f"after-{wid}"), dumps({}))
+        await until(lambda: f"after-{wid}" in view.pools, "the writes after the deletion")
+        assert wid not in view.workflow_states
+
+    def mirrored(etcd: Etcd, view: MeshView, loaded: asyncio.Event) -> asyncio.Task[None]:
+        return asyncio.create_task(etcd.mirror(
+            ks.root, view.apply, lambda revision: None, reset=view.reset, ready=loaded,
+            ranges=ks.own_ranges("n1"), following=view.following))
+
+    async def scenario(etcd: Etcd) -> None:
+        for wid in ("w1", "w2", "w3"):
+            await submitted(etcd, wid)
+        view, loaded = MeshView(ks), asyncio.Event()
+        following = view.following = Following(ks.workflow_ranges)
+        mirror = mirrored(etcd, view, loaded)
+        try:
+            await asyncio.wait_for(loaded.wait(), DEADLINE_S)
+            assert view.workflows == {} and view.expanded == {}
+            await etcd.put(ks.offer("n1"), dumps({"blocks": [["w1", "e", 0]]}))
+            await until(lambda: view.expanded.get(("w1", "e")) == 4, "w1 followed")
+            assert view.workflow_state("w1") == "running" and set(view.workflows) == {"w1"}
+            await etcd.put(ks.task(TaskRef("w2", "e", 0)), dumps({"params": {}}))
+            await until(lambda: "w2" in view.workflows, "w2 followed: a task key names it")
+            await etcd.put(ks.workflow_state("w1"), dumps({"state": "cancelled"}))
+            await until(lambda: view.workflow_state("w1") == "cancelled", "w1's new state")
+            assert sorted(following.followed) == ["w1", "w2"]
+            await deleted(etcd, view, "w1")
+            server.stop()
+            server.start()  # the stream breaks and is opened again, with w2's watchers
+            await etcd.put(ks.expanded("w2", "e"), dumps({"count": 5}))
+            await until(lambda: view.expanded.get(("w2", "e")) == 5, "w2's change after it")
+            await deleted(etcd, view, "w2")
+            assert "w3" not in view.workflow_states  # never named: never followed
+        finally:
+            mirror.cancel()
+            await asyncio.gather(mirror, return_exceptions=True)
+        # A mirror starting with followed workflows (as a reload does) loads them whole
+        # and forgets the one deleted while it did not watch.
+        again, loaded = MeshView(ks), asyncio.Event()
+        again.following = Following(ks.workflow_ranges)
+        again.following.followed = {"w1": [], "w3": []}
+        mirror = mirrored(etcd, again, loaded)
+        try:
+            await asyncio.wait_for(loaded.wait(), DEADLINE_S)
+            assert set(again.workflows) == {"w3"} and again.expanded == {("w3", "e"): 4}
+            assert list(again.following.followed) == ["w3"]
+            await etcd.put(ks.workflow_state("w3"), dumps({"state": "succeeded"}))
+            await until(lambda: again.workflow_state("w3") == "succeeded", "w3 watched")
+        finally:
+            mirror.cancel()
+            await asyncio.gather(mirror, return_exceptions=True)
+
+    try:
+        run(server, scenario)
+    finally:
+        server.stop()

@@ -202,3 +202,35 @@ def test_bad_arguments_are_refused() -> None:
         RangeWatch(object(), [(b"a", b"b")], 0)
     with pytest.raises(ValueError, match="one revision per range"):
         RangeWatch(object(), [(b"a", b"b"), (b"c", b"d")], 5, applied=[4])
+
+
+def test_ranges_added_to_and_cancelled_on_an_open_stream(etcd_server: EtcdServer) -> None:
+    """A range added from the revision its keys were read at gets every later change of
+    it, and none from before; a cancelled one gets none, and its cancellation neither
+    ends the stream nor holds its consistent revision back."""
+    root = f"/rw-{uuid.uuid4().hex[:8]}/"
+    extra = [(f"{root}b/x".encode(), f"{root}b/x\0".encode())]
+
+    async def scenario(etcd: Etcd) -> None:
+        start = await etcd.put(f"{root}zz-start", b"")
+        async with watched(etcd, root, start + 1) as (watch, reader):
+            before = await etcd.put(f"{root}b/x", b"old")
+            _, read_at = await etcd.get_prefix(f"{root}b/")
+            ids = await watch.add(extra, read_at)
+            assert ids == [2]  # after the two ranges the watch was opened with
+            mine = await etcd.put(f"{root}b/x", b"new")
+            await etcd.put(f"{root}b/y", b"not watched")
+            marker = await etcd.put(f"{root}a/1", b"x")
+            await reader.until(lambda: (f"{root}a/1", marker) in reader.events, "the marker")
+            assert reader.events == [(f"{root}b/x", mine), (f"{root}a/1", marker)]
+            assert before <= read_at < mine
+            await watch.cancel(ids)
+            await etcd.put(f"{root}b/x", b"after the cancel")
+            last = await etcd.put(f"{root}c/1", b"x")
+            await reader.until(lambda: (f"{root}c/1", last) in reader.events, "the last marker")
+            assert [e for e in reader.events if e[0] == f"{root}b/x"] == [(f"{root}b/x", mine)]
+            await watch.request_progress()
+            await reader.until(lambda: reader.revision >= last, "the revision past the cancel")
+            assert reader.error is None
+
+    run(etcd_server, scenario)
