@@ -152,6 +152,14 @@ def _study(
     assert exp.objective is not None
     dists = distributions(exp)
     study = optuna.create_study(direction=exp.objective.goal, sampler=sampler)
+    study.add_trials(_frozen(trials, dists))
+    return study, dists
+
+
+def _frozen(trials: list[Trial], dists: dict[str, Any]) -> list[optuna.trial.FrozenTrial]:
+    """The trials as Optuna's, those it can compare with ``dists`` (a study holds copies
+    of these)."""
+    optuna = _optuna()
     states = {
         "complete": optuna.trial.TrialState.COMPLETE,
         "pruned": optuna.trial.TrialState.PRUNED,
@@ -175,8 +183,7 @@ def _study(
             )
         except ValueError:
             continue  # a value outside the space (set by hand): not comparable
-    study.add_trials(frozen)
-    return study, dists
+    return frozen
 
 
 def suggest(exp: Experiment, seed: int, index: int, trials: list[Trial]) -> dict[str, Any]:
@@ -226,11 +233,11 @@ def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, f
     it for those that do not (``agent/leader/prune_medians.py``)."""
     if exp.objective is None:
         return 0, {}
-    optuna = _optuna()
     import numpy as np  # Optuna's own dependency: the same percentile as its pruner's
 
-    study, _ = _study(exp, [t for t in trials if t.state == "complete"])
-    done = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    # The completed trials a study of them would hold, without the study: adding them
+    # to one copies each (most of the cost, on a search of thousands of trials).
+    done = _frozen([t for t in trials if t.state == "complete"], distributions(exp))
     by_step: dict[int, list[float]] = {}
     for t in done:
         for step, value in t.intermediate_values.items():
