@@ -781,11 +781,12 @@ class Offers:
         return out
 
     async def publish(self) -> int:
-        """Write the offers that changed (see :meth:`changes`); how many keys were written."""
-        etcd, ks = self.agent.etcd, self.agent.ks
+        """Write the offers that changed (see :meth:`changes`), each with the revision of
+        the view it was planned from (``at``); how many keys were written."""
+        etcd, ks, at = self.agent.etcd, self.agent.ks, self.agent.view.revision
         ops = [
             etcd.op_delete(ks.offer(name)) if blocks is None else etcd.op_put(
-                ks.offer(name), dumps({"blocks": [self._row(b) for b in blocks]}))
+                ks.offer(name), dumps({"blocks": [self._row(b) for b in blocks], "at": at}))
             for name, blocks in self.changes(time.monotonic())
         ]
         for i in range(0, len(ops), TXN_OPS):

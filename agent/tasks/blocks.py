@@ -320,7 +320,8 @@ class BlockDuty:
 
     def choose_offered(self, held_back: Collection[tuple[str, str]] = ()) -> BlockRef | None:
         """The first block of this node's offer (``offer/<node>``) it may claim: not held
-        here, not passed since the offer was written, of live work whose image is here."""
+        here, not given back or passed since the view the offer was planned from, of live
+        work whose image is here."""
         view = self.agent.view
         offered, revision = view.offers.get(self.agent.cfg.name, ((), 0))
         self._passed = {b: r for b, r in self._passed.items() if b in offered}

@@ -186,7 +186,10 @@ class OfferTables:
     ``apply``."""
 
     def _init_offer_tables(self) -> None:
-        # The leader's offers (``offer/<node>``): node -> (blocks, the key's mod revision).
+        # The leader's offers (``offer/<node>``): node -> (blocks, the revision of the view
+        # the leader planned them from, else the key's mod revision). A node does not claim
+        # again a block it gave back at or after that revision (``agent/tasks/blocks.py``):
+        # a leader lagging behind it still offered it, not knowing it was done.
         self.offers: dict[str, tuple[tuple[BlockRef, ...], int]] = {}
         # The cap slots the offers give blocks of capped experiments, per experiment:
         # block -> slot; and each node's, to undo when its offer changes.
@@ -217,7 +220,7 @@ class OfferTables:
             if slot:
                 self._offer_slot_rows.setdefault(parts[0], []).append(bref)
                 self.offered_slots[(bref.workflow, bref.experiment)][bref] = int(slot[0])
-        self.offers[parts[0]] = (tuple(blocks), mrev)
+        self.offers[parts[0]] = (tuple(blocks), int(data.get("at", mrev)))
 
     def _apply_bcap(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         key, k = (parts[0], parts[1]), int(parts[2])
