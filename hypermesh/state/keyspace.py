@@ -46,7 +46,8 @@ share a prefix per kind so a workflow can be read or deleted with one range.
 - ``expctl/<wid>/<exp>``: live changes to a running experiment (cancelled, a new
   ``workers`` cap, samples added); by ``cancel --experiment``, ``scale`` and
   ``extend``, each guarded by the key's and the workflow state's revisions.
-- ``offer/<node>``: the blocks the leader offers a node that chooses from offers
+- ``offer/<node>``: the blocks the leader offers a node that chooses from offers, and the
+  revision of the view it planned them from
   (``agent start --watch own``, ``agent/leader/offers.py``); by the leader. Such a node
   watches only :meth:`Keyspace.own_ranges`: none of the block kinds, no metrics, no other
   node's offer, no progress summary, and the workflow keys (``wf/``, ``wfstate/``,
