@@ -208,9 +208,9 @@ class Following:
 
     Whoever applies the watch's keys asks, with :meth:`want` and :meth:`drop`; the watch
     loop (``hypermesh.state.etcd.Etcd.mirror``) reads a wanted name's keys, applies them
-    and adds its ranges to the open stream, then watches them until dropped. A name whose
-    first range (its anchor: the workflow record) holds no key is not followed: it is
-    gone, or was never there."""
+    and adds its ranges to the open stream, then watches them until dropped. A name's
+    first range is one key, its anchor (the workflow record); while that key is missing
+    the name is not followed: it is gone, or was never there."""
 
     def __init__(self, ranges_of: Callable[[str], Sequence[tuple[str, str]]]) -> None:
         self.ranges_of = ranges_of
@@ -246,9 +246,9 @@ class Following:
             self.unwanted.discard(name)
 
     def anchored(self, name: str, keys: set[bytes]) -> bool:
-        """Whether ``keys`` hold the name's anchor (a key in its first range)."""
-        start, end = self.ranges_of(name)[0]
-        return any(start.encode() <= key < end.encode() for key in keys)
+        """Whether ``keys`` hold the name's anchor: the key its first range starts at (a
+        range of that one key). A set lookup: a reload reads the whole namespace."""
+        return self.ranges_of(name)[0][0].encode() in keys
 
 
 def hush_broken_stream_noise(loop: asyncio.AbstractEventLoop) -> None:

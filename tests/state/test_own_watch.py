@@ -60,6 +60,11 @@ def test_the_own_mirror_sees_neither_blocks_nor_metrics_nor_other_offers(
                    ks.experiment_control("w1", "e"), ks.workflow_usage("w1")],
     }
 
+    def watched(key: str) -> bool:
+        return any(start <= key < end for start, end in ks.own_ranges("n1"))
+
+    assert all(watched(k) for k in kinds["seen"]) and not any(map(watched, kinds["unseen"]))
+
     async def scenario(etcd: Etcd) -> None:
         applied: list[str] = []
         loaded = asyncio.Event()
@@ -75,7 +80,9 @@ def test_the_own_mirror_sees_neither_blocks_nor_metrics_nor_other_offers(
             for key in kinds["unseen"] + kinds["seen"]:
                 await etcd.put(key, b"{}")
             last = await etcd.put(ks.settings, b"{}")
-            await until(lambda: ks.settings in applied, "the last key")
+            # One watcher per range: their answers may come in any order between them.
+            await until(lambda: set(kinds["seen"]) | {ks.settings} <= set(applied),
+                        "every key of the watched ranges")
             assert set(applied) == set(kinds["seen"]) | {ks.settings}
             assert last > revisions[0]
         finally:
