@@ -7,7 +7,8 @@ leader asks for more nodes when the backlog outgrows the mesh — what a node
 costs, whether to ask for spot machines, and how far the leader may scale it.
 
 A ``Pool`` is validated once, at construction; every error names the field and
-the allowed range. Pure: no I/O.
+the allowed range. ``BurstTables`` are the mirror's tables of the bursting records
+(pools, provisioned nodes, usage). Pure: no I/O.
 """
 
 from __future__ import annotations
