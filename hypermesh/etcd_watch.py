@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 
 ALL_WATCHERS = -1
 """The watch id etcd gives a progress report that covers every watcher of the stream."""
+
+ENDED_KEPT = 256
+"""Names ``Following`` remembers as ended, so that late keys of them do not follow them
+again; a mirror keeps what it last read of those (a workflow ended, no longer watched,
+whose deletion it will not see) and forgets the oldest past that many."""
 
 
 class WatchCompacted(Exception):
@@ -204,7 +210,7 @@ class Following:
     """Ranges a partial watch follows by name for as long as it is asked to: a node that
     watches its own part (``Keyspace.own_ranges``) follows a workflow's plan keys
     (``Keyspace.workflow_ranges``) from when a key it receives names the workflow until
-    the workflow is deleted, and no other workflow's.
+    the workflow ends or is deleted, and no other workflow's.
 
     Whoever applies the watch's keys asks, with :meth:`want` and :meth:`drop`; the watch
     loop (``hypermesh.state.etcd.Etcd.mirror``) reads a wanted name's keys, applies them
@@ -217,15 +223,33 @@ class Following:
         self.followed: dict[str, list[int]] = {}  # name -> its watcher ids on the stream
         self.wanted: set[str] = set()
         self.unwanted: set[str] = set()
+        # Names that ended (a workflow in a final state), the last ENDED_KEPT: followed
+        # again only when asked ``again`` (its work reopened), not by a late key of it.
+        self.ended: OrderedDict[str, None] = OrderedDict()
 
-    def want(self, name: str) -> None:
+    def want(self, name: str, again: bool = True) -> None:
+        """Follow ``name``; one that ended, only ``again``."""
+        if name in self.ended:
+            if not again:
+                return
+            del self.ended[name]
         if name not in self.followed:
             self.wanted.add(name)
 
     def drop(self, name: str) -> None:
+        """Stop following ``name``: it is gone."""
         self.wanted.discard(name)
+        self.ended.pop(name, None)
         if name in self.followed:
             self.unwanted.add(name)
+
+    def end(self, name: str) -> list[str]:
+        """Stop following ``name`` until it is wanted ``again``: it ended. Returns the
+        names no longer remembered as ended (the oldest, past ``ENDED_KEPT``)."""
+        self.drop(name)
+        self.ended[name] = None
+        return [self.ended.popitem(last=False)[0]
+                for _ in range(len(self.ended) - ENDED_KEPT)]
 
     def ranges(self) -> list[tuple[str, str]]:
         """The ranges of every followed name, in ``followed``'s order."""

@@ -719,6 +719,8 @@ class Etcd:
                 continue
             for kv in kvs:
                 apply(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision)
+            if name in following.ended:
+                continue  # its keys said it ended: nothing more of it to follow
             following.followed[name] = await watch.add(
                 [(a.encode(), b.encode()) for a, b in named], read_at)
             added = True

@@ -20,11 +20,11 @@ import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 from hypermesh.errors import HypermeshError
 from hypermesh.etcd_watch import Following
-from hypermesh.state.blocks import Batch, OfferTables
+from hypermesh.state.blocks import Batch, OfferTables, decision_rows
 from hypermesh.state.folding import (
     AttemptKey,
     FoldedBlock,
@@ -37,6 +37,7 @@ from hypermesh.state.gangs import GangTable
 from hypermesh.state.keyspace import BlockRef, Keyspace, TaskRef
 from hypermesh.state.pools import BurstTables
 from hypermesh.state.records import (
+    TERMINAL,
     Attempt,
     Claim,
     ExperimentControl,
@@ -50,16 +51,11 @@ from hypermesh.state.task_metrics import AttemptMetrics
 log = logging.getLogger(__name__)
 
 
-def _decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """The task indices a ``bdone`` value decides (results) and reopens."""
-    return [int(row[0]) for row in batch.get("r", ())], [int(row[0]) for row in batch.get("o", ())]
-
-
 _BLOCK_KINDS = frozenset({"block", "bclaim", "bdone"})
 _PLAN_KINDS = frozenset({"node", "wf", "wfstate", "expctl", "expanded"})
-# The kinds a node that watches its own part receives that name a workflow (its offer
-# names those of its blocks); and the workflow record, whose deletion ends following it.
-_NAMING_KINDS = frozenset({"wf", "offer", "task", "claim", "attempt", "result", "slot", "gang"})
+# What an own part's mirror receives that names a workflow, or ends following it (_follow_named).
+_NAMING_KINDS = frozenset({"wf", "wfstate", "offer", "task", "claim", "attempt", "result",
+                           "slot", "gang"})
 
 
 class Mirror(OfferTables, BurstTables):
@@ -187,24 +183,31 @@ class Mirror(OfferTables, BurstTables):
             log.warning("ignoring malformed key %s: %s", key, exc)
 
     def _follow_named(self, kind: str, name: str, data: Any) -> None:
-        """A mirror of a node's own part (``Keyspace.own_ranges``) follows the keys of
-        each workflow from the first key it receives that names it (this node's offer,
-        or a per-task key) until the workflow record is deleted (the deletion's other
-        keys, ``hypermesh/state/cleanup.py``, then never reach it: they are forgotten)."""
-        assert self.following is not None
-        if kind == "wf" and data is None:  # its other keys go later: unseen, so forget them
-            self.following.drop(name)
-            for states in (self.workflow_states, self.workflow_state_revisions,
-                           self.workflow_reasons):
-                states.pop(name, None)
-            for table in (self.expanded, self.controls):
-                for key in [k for k in table if k[0] == name]:
-                    del table[key]
-        elif kind == "offer":
+        """A mirror of a node's own part follows each workflow from the first key naming
+        it (its offer, a per-task key) until it ends (kept as last read, the oldest past
+        ``ENDED_KEPT`` forgotten; an offer or a task key, which ``retry`` rewrites, follow
+        it again) or is deleted (forgotten: the purge's other keys never reach it)."""
+        following = cast(Following, self.following)  # the caller checked
+        if kind == "offer":
             for wid in {bref.workflow for bref in self.offers.get(name, ((), 0))[0]}:
-                self.following.want(wid)
-        elif kind != "wf" and data is not None:
-            self.following.want(name)
+                following.want(wid)
+        elif kind not in ("wf", "wfstate"):
+            if data is not None:
+                following.want(name, again=kind == "task")
+        elif data is None:
+            following.drop(name)
+            self._forget_workflow(name)
+        elif kind == "wfstate" and data["state"] in TERMINAL:
+            for gone in following.end(name):
+                self._forget_workflow(gone)
+
+    def _forget_workflow(self, wid: str) -> None:
+        for table in (self.workflows, self.workflow_states, self.workflow_state_revisions,
+                      self.workflow_reasons, self.unreadable):
+            table.pop(wid, None)
+        for plans in (self.expanded, self.controls):
+            for key in [k for k in plans if k[0] == wid]:
+                del plans[key]
 
     def _apply_settings(self, parts: list[str], data: Any, crev: int, mrev: int) -> None:
         self.settings = MeshSettings() if data is None else MeshSettings.from_json(data)
@@ -462,7 +465,7 @@ class Mirror(OfferTables, BurstTables):
                 self._refresh_block_claims(bref)
             self._recount_decisions(bref)
             return
-        results, reopened = _decision_rows(data)
+        results, reopened = decision_rows(data)
         if self.defer_batches:
             self._deferred.setdefault(bref, []).append((key, mrev, data))
         else:
@@ -541,7 +544,7 @@ class Mirror(OfferTables, BurstTables):
         left = list(self._batches.get(bref, {}).values())
         left += [(rev, data) for _, rev, data in self._deferred.get(bref, [])]
         for rev, data in left:
-            self._note_decisions(bref, rev, *_decision_rows(data))
+            self._note_decisions(bref, rev, *decision_rows(data))
 
     def _expand_batch(self, bref: BlockRef, key: str, data: dict[str, Any], mrev: int) -> None:
         """Apply one batch to the per-task tables."""

@@ -87,9 +87,9 @@ def followed(agent: AgentProcess) -> float:
 def test_a_node_that_watches_its_own_part_follows_only_the_workflows_it_works_on(
     mesh: Mesh,
 ) -> None:
-    """Two workflows in blocks, each restricted to one follower's pool: each follower
-    runs its own, follows only that one (its offer named it), and stops following it
-    once it is deleted; the leader, whose view is whole, sees both."""
+    """Two workflows in blocks, each restricted to one follower's pool: while they run,
+    each follower follows only its own (its offer named it), and neither once they
+    ended; the leader, whose view is whole, sees both, then one once one is deleted."""
     own = ("--watch", "own")
     lead = mesh.agent("node1", slots=1, extra=(*own, "--pool", "lead"))  # runs nothing
     wait_for(lambda: [n["name"] for n in mesh.hm_json("nodes") if n["leader"]] == ["node1"],
@@ -97,20 +97,24 @@ def test_a_node_that_watches_its_own_part_follows_only_the_workflows_it_works_on
     followers = {pool: mesh.agent(f"node-{pool}", slots=2, extra=(*own, "--pool", pool))
                  for pool in ("a", "b")}
     wait_for(lambda: len(mesh.hm_json("nodes")) == 3, 30, "three nodes registered")
+    go = mesh.root / "go"
     wids = {}
     for pool in ("a", "b"):
         recipe = mesh.write_recipe(
             f"experiments:\n  e:\n    samples: 6\n    batch: 2\n    pools: [{pool}]\n"
-            "    command: ['true']\n", name=f"{pool}.yaml")
+            f"    command:\n      - while [ ! -e {go} ]; do sleep 0.05; done\n",
+            name=f"{pool}.yaml")
         wids[pool] = mesh.submit(recipe)
+    for agent in followers.values():
+        wait_for(lambda agent=agent: followed(agent) == 1, 30, "each follower to follow one")
+    assert followed(lead) == 2
+    go.touch()
     for pool, wid in wids.items():
         assert mesh.wait_state(wid, {"succeeded", "failed"}, timeout=90)["state"] == "succeeded"
         tasks = mesh.hm_json("tasks", wid)
         assert {t["node"] for t in tasks} == {f"node-{pool}"}, tasks
-    assert wait_for(lambda: followed(lead) == 2, 15, "the leader to see both workflows")
     for agent in followers.values():
-        assert followed(agent) == 1
+        wait_for(lambda agent=agent: followed(agent) == 0, 15, "the ended ones no longer followed")
+    assert followed(lead) == 2
     mesh.hm_json("delete", wids["a"])
-    wait_for(lambda: followed(followers["a"]) == 0, 15, "node-a to stop following its workflow")
     wait_for(lambda: followed(lead) == 1, 15, "the leader to drop the deleted workflow")
-    assert followed(followers["b"]) == 1

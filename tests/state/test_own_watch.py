@@ -169,8 +169,9 @@ def test_the_own_mirror_follows_a_workflow_from_the_first_key_naming_it_until_it
     """A node that watches its own part receives a workflow's keys (record, state,
     expansions, live changes) once its offer or a per-task key names the workflow, and
     from then on its changes, across an etcd restart; none once the workflow record is
-    deleted. A mirror that starts (or reloads) with followed workflows loads them, and
-    forgets one deleted meanwhile."""
+    deleted, nor once it ended, until a task key of it is written again. A mirror that
+    starts (or reloads) with followed workflows loads them, and forgets one deleted
+    meanwhile."""
     server = EtcdServer(tmp_path / "etcd", fsync=False).start()
     ks = Keyspace(f"fol{uuid.uuid4().hex[:8]}")
     recipe = parse_recipe("experiments:\n  e:\n    samples: 4\n    command: ['true']\n")
@@ -217,8 +218,8 @@ def test_the_own_mirror_follows_a_workflow_from_the_first_key_naming_it_until_it
             assert view.workflow_state("w1") == "running" and set(view.workflows) == {"w1"}
             await etcd.put(ks.task(TaskRef("w2", "e", 0)), dumps({"params": {}}))
             await until(lambda: "w2" in view.workflows, "w2 followed: a task key names it")
-            await etcd.put(ks.workflow_state("w1"), dumps({"state": "cancelled"}))
-            await until(lambda: view.workflow_state("w1") == "cancelled", "w1's new state")
+            await etcd.put(ks.expanded("w1", "e"), dumps({"count": 6}))
+            await until(lambda: view.expanded.get(("w1", "e")) == 6, "w1's new expansion")
             assert sorted(following.followed) == ["w1", "w2"]
             await deleted(etcd, view, "w1")
             server.stop()
@@ -227,6 +228,24 @@ def test_the_own_mirror_follows_a_workflow_from_the_first_key_naming_it_until_it
             await until(lambda: view.expanded.get(("w2", "e")) == 5, "w2's change after it")
             await deleted(etcd, view, "w2")
             assert "w3" not in view.workflow_states  # never named: never followed
+            # An ended workflow is no longer watched, but kept as last read; a late key
+            # of it does not follow it again, a task key (retry rewrites them) does.
+            await submitted(etcd, "w4")
+            await etcd.put(ks.offer("n1"), dumps({"blocks": [["w4", "e", 0]]}))
+            await until(lambda: "w4" in following.followed, "w4 followed")
+            await etcd.put(ks.workflow_state("w4"), dumps({"state": "succeeded"}))
+            await until(lambda: "w4" not in following.followed, "w4 no longer followed")
+            assert view.workflow_state("w4") == "succeeded" and "w4" in following.ended
+            await etcd.put(ks.expanded("w4", "e"), dumps({"count": 7}))  # unwatched now
+            await etcd.put(ks.result(TaskRef("w4", "e", 9)), dumps(
+                {"state": "failed", "attempt": 1, "exit_code": 1, "ended_at": 1.0}))
+            await etcd.put(ks.pool("after-w4"), dumps({}))
+            await until(lambda: "after-w4" in view.pools, "the writes after its end")
+            assert "w4" not in following.followed and view.expanded[("w4", "e")] == 4
+            await etcd.put(ks.workflow_state("w4"), dumps({"state": "running"}))
+            await etcd.put(ks.task(TaskRef("w4", "e", 9)), dumps({"params": {}}))
+            await until(lambda: view.workflow_state("w4") == "running", "w4 followed again")
+            assert view.expanded[("w4", "e")] == 7 and "w4" in following.followed
         finally:
             mirror.cancel()
             await asyncio.gather(mirror, return_exceptions=True)
