@@ -176,12 +176,12 @@ class Batch:
         )
 
 
-# ---------------------------------------------------------------- offers and cap slots
 def decision_rows(batch: dict[str, Any]) -> tuple[list[int], list[int]]:
     """The task indices a ``bdone`` value decides (results) and reopens."""
     return [int(row[0]) for row in batch.get("r", ())], [int(row[0]) for row in batch.get("o", ())]
 
 
+# ---------------------------------------------------------------- offers and cap slots
 class OfferTables:
     """The mirror's tables of what the leader gives nodes that choose from offers: the
     offers (``offer/<node>``), the slots of ``workers`` caps those offers give blocks,

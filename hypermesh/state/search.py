@@ -74,9 +74,11 @@ def trial_seed(seed: int, index: int) -> int:
 def settle_experiment(view: MeshView, wid: str, experiment: str) -> int:
     """Apply the batches of the experiment's blocks that the view deferred (an agent
     that does not lead), where its trials' results and attempts are; how many of its
-    tasks have finished (a count that changes whenever a trial completes)."""
-    for first in list(view.blocks.get((wid, experiment), ())):
-        view.settle(BlockRef(wid, experiment, first))
+    tasks have finished (a count that changes whenever a trial completes). A view that
+    defers nothing (the leader's) has nothing to apply: its blocks are not gone through."""
+    if view.defer_batches:
+        for first in list(view.blocks.get((wid, experiment), ())):
+            view.settle(BlockRef(wid, experiment, first))
     counts = view.counts.get((wid, experiment))
     return sum(counts[s] for s in TERMINAL) if counts else 0
 
