@@ -167,7 +167,7 @@ class Agent:
         # The lease this agent gave up while it could not reach etcd: its tasks are
         # stopped, and gossip asks the peers that reach etcd to revoke it (its claims).
         self.gave_up: int | None = None
-        self.rejoined_at: float | None = None  # monotonic; see rejoined_recently
+        self.rejoined_at: float | None = None  # monotonic; see rejoined_since
         self.drain_grace: float | None = None
         self.written_revision = 0
         # A task gets the allow-listed part of the agent's environment, and what its
@@ -637,13 +637,12 @@ class Agent:
     def lease_is_lost(self) -> bool:
         return self.lease_lost.is_set()
 
-    def rejoined_recently(self) -> bool:
-        """Whether the node rejoined with a new lease (after losing one) within the last
-        lease TTL. Its gossip still holds what it concluded while cut off: suspicions of
-        the peers it could not reach, which the heal can turn into deaths (a last probe
-        through a connection the cut left dead) that are about its own isolation."""
-        return (self.rejoined_at is not None
-                and time.monotonic() - self.rejoined_at < self.cfg.lease_ttl)
+    def rejoined_since(self, when: float) -> bool:
+        """Whether the node rejoined with a new lease (after losing one) after ``when``
+        (monotonic). Its gossip still holds what it concluded while cut off: suspicions
+        of the peers it could not reach, which the heal can turn into deaths (a last
+        probe through a connection the cut left dead) that are about its own isolation."""
+        return self.rejoined_at is not None and self.rejoined_at > when
 
     def lease_fresh(self) -> bool:
         """Whether the node lease was renewed within the last TTL. After a pause

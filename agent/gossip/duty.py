@@ -140,7 +140,7 @@ class GossipHost(Protocol):
 
     def lease_fresh(self) -> bool: ...
 
-    def rejoined_recently(self) -> bool: ...
+    def rejoined_since(self, when: float) -> bool: ...
 
     def decide(self, message: str) -> None: ...
 
@@ -171,6 +171,8 @@ class Gossip:
         self._holdings: asyncio.Task[None] | None = None
         self._checks: dict[str, list[asyncio.Future[None]]] = {}  # deaths under our probe
         self._reset_at: dict[str, float] = {}  # member -> when we last replaced its link
+        # member -> when (monotonic) we first heard it suspected, while it stays suspect
+        self._suspected_at: dict[str, float] = {}
 
     # ------------------------------------------------------------------ running
     async def run(self) -> None:
@@ -455,6 +457,11 @@ class Gossip:
         a = self.agent
         for member, old, new in self.swim.drain_events():
             a.share.member_state(member, new)
+            now = time.monotonic()
+            if new == "suspect":
+                self._suspected_at.setdefault(member, now)
+            suspected_at = (now if new == "suspect"
+                            else self._suspected_at.pop(member, now))  # a death's, or none
             back = new == "alive" and old in ("dead", "left")
             if member != a.cfg.name and self._link_suspect(member, new, back):
                 self._reset_link(member)
@@ -470,12 +477,18 @@ class Gossip:
                 # about others are not to be trusted until we are healthy again.
                 a.decide(f"gossip: not acting on {member}'s death while unhealthy")
                 continue
-            if a.rejoined_recently():
+            before = a.rejoined_since(suspected_at)
+            if before or a.rejoined_since(now - a.cfg.lease_ttl):
                 # What our gossip concluded while we were cut off (every peer we could
                 # not reach suspected, probes through connections the cut left dead) may
                 # be about our own isolation: the others, who kept their leases, judge.
-                a.decide(f"gossip: not acting on {member}'s death: we rejoined with a new "
-                         f"lease less than a lease TTL ago")
+                # A suspicion that started before our rejoin ends as a death whenever
+                # its timeout runs out (measured: up to 5.8 s after the heal, longer
+                # than the lease TTL), and a death heard within a TTL of the rejoin may
+                # rest on such a suspicion elsewhere.
+                doubt = ("we suspected it before we rejoined with a new lease" if before
+                         else "we rejoined with a new lease less than a lease TTL ago")
+                a.decide(f"gossip: not acting on {member}'s death: {doubt}")
                 continue
             leader = a.view.leader()
             delay = 0.0
