@@ -84,6 +84,7 @@ class LeaderDuty:
         self.offers.wake_at = self._offers_timer.at
         # what a node that sees no metrics prunes by (prunemed/)
         self.prune_medians = PruneMedians(agent, WakeTimer(self._lead_again).at)
+        self.studies = search.Studies()  # adaptive searches' Optuna studies, kept
 
     def handed_over(self) -> None:
         """This node took over or handed over leadership: what another leader published
@@ -231,7 +232,8 @@ class LeaderDuty:
         trials = search.trials_of(a.view, wf.id, exp)
         block = leader.block_of(a.view, wf.id, exp) is not None
         for index in action.indices:
-            params = await asyncio.to_thread(search.suggest, exp, seed, index, trials)
+            params = await asyncio.to_thread(
+                self.studies.suggest, (wf.id, exp.name), exp, seed, index, trials)
             ref = TaskRef(wf.id, exp.name, index)
             if not await add_task(a.etcd, a.ks, ref, params, action.state_revision, block):
                 return  # another leader got there first; the watch brings its tasks

@@ -5,22 +5,27 @@ parameters of a new trial, ``suggest`` builds an in-memory Optuna study from the
 so far (finished ones with their objective values, running ones as running) and asks
 Optuna's TPE sampler, seeded from the experiment's seed and the trial's index. A new
 leader therefore continues a search exactly where the old one stopped, and the same
-history and seed always give the same parameters. ``should_prune`` asks Optuna's
+history and seed always give the same parameters. The leader asks through ``Studies``,
+which keeps the study between questions, brought up to the records before each: the
+same answers, without rebuilding the study each time. ``should_prune`` asks Optuna's
 ``MedianPruner`` the same way about one running trial; ``prune_by_medians`` gives its
 answer from the per-step medians of the completed trials (``median_curve``) alone,
 which is what agents ask.
 
-Pure: reads a ``MeshView`` or plain values; no etcd, no gRPC, no clock. Optuna is
+Pure: reads a ``MeshView`` or plain values; no etcd, no gRPC, no clock (``Studies``
+holds studies, nothing else). Optuna is
 imported on first use (it costs about a second), so commands that only rank trials do
 not pay for it.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -161,45 +166,161 @@ def _study(
 def _frozen(trials: list[Trial], dists: dict[str, Any]) -> list[optuna.trial.FrozenTrial]:
     """The trials as Optuna's, those it can compare with ``dists`` (a study holds copies
     of these)."""
-    optuna = _optuna()
-    states = {
-        "complete": optuna.trial.TrialState.COMPLETE,
-        "pruned": optuna.trial.TrialState.PRUNED,
-        "running": optuna.trial.TrialState.RUNNING,
-        "failed": optuna.trial.TrialState.FAIL,
-    }
-    frozen = []
-    for t in trials:
-        params = {k: v for k, v in t.params.items() if k in dists}
-        if len(params) != len(dists):
-            continue  # a trial of another parameter space: not comparable
-        try:
-            frozen.append(
-                optuna.trial.create_trial(
-                    params=params,
-                    distributions=dists,
-                    value=t.value if t.state == "complete" else None,
-                    intermediate_values=dict(t.intermediate),
-                    state=states[t.state],
-                )
-            )
-        except ValueError:
-            continue  # a value outside the space (set by hand): not comparable
-    return frozen
+    return [f for f in (_frozen_one(t, dists) for t in trials) if f is not None]
 
 
-def suggest(exp: Experiment, seed: int, index: int, trials: list[Trial]) -> dict[str, Any]:
-    """The parameters of trial ``index`` given the trials so far (TPE, seeded per index)."""
+def _frozen_one(t: Trial, dists: dict[str, Any]) -> optuna.trial.FrozenTrial | None:
+    """The trial as Optuna's, or None where it is not comparable with ``dists`` (which
+    depends on its parameters only, fixed for the trial's index)."""
     optuna = _optuna()
+    params = {k: v for k, v in t.params.items() if k in dists}
+    if len(params) != len(dists):
+        return None  # a trial of another parameter space: not comparable
+    try:
+        return optuna.trial.create_trial(  # type: ignore[no-any-return]
+            params=params,
+            distributions=dists,
+            value=t.value if t.state == "complete" else None,
+            intermediate_values=dict(t.intermediate),
+            state=_state(t.state),
+        )
+    except ValueError:
+        return None  # a value outside the space (set by hand): not comparable
+
+
+def _state(state: TrialState) -> Any:
+    states = _optuna().trial.TrialState
+    return {"complete": states.COMPLETE, "pruned": states.PRUNED,
+            "running": states.RUNNING, "failed": states.FAIL}[state]
+
+
+def _sampler(exp: Experiment, seed: int, index: int) -> Any:
     assert exp.samples is not None
-    sampler = optuna.samplers.TPESampler(
+    return _optuna().samplers.TPESampler(
         seed=trial_seed(seed, index),
         n_startup_trials=startup_trials(exp.samples),
         constant_liar=True,  # running trials count as bad: parallel asks spread out
     )
-    study, dists = _study(exp, trials, sampler)
+
+
+def suggest(exp: Experiment, seed: int, index: int, trials: list[Trial]) -> dict[str, Any]:
+    """The parameters of trial ``index`` given the trials so far (TPE, seeded per index),
+    from a study built for this one question. :class:`Studies` answers the same, from a
+    study it keeps between questions."""
+    study, dists = _study(exp, trials, _sampler(exp, seed, index))
+    return _ask(exp, study, dists)
+
+
+def _ask(exp: Experiment, study: optuna.Study, dists: dict[str, Any]) -> dict[str, Any]:
     asked = study.ask(dists)
     return {p.name: _plain(asked.params[p.name]) for p in exp.parameters}
+
+
+@dataclass
+class _Kept:
+    """A study kept for one experiment, and what it holds: ``held[i]`` is the trial its
+    i-th Optuna trial was last made from (comparable ones only, by index, as
+    :func:`_study` adds them); ``skipped``, the indices found not comparable."""
+
+    study: optuna.Study
+    dists: dict[str, Any]
+    goal: str
+    held: list[Trial] = field(default_factory=list)
+    skipped: set[int] = field(default_factory=set)
+
+
+class Studies:
+    """The Optuna studies of the adaptive searches the leader suggests trials for, kept
+    between suggestions: :meth:`suggest` answers exactly as :func:`suggest` (a property
+    test holds them equal), without building a study of every trial for each new one.
+
+    Building it cost most of a suggestion: 4,096 trials took about 220 ms to validate
+    and copy, TPE's own question about 30 (``scripts/bench_search.py``). A kept study is
+    brought up to the records first, trial by trial: a running trial's new reports and
+    its end are written into it, new trials appended. Anything else (a trial missing
+    or in another place, one that ended differently or was reopened by ``retry``, a
+    trial asked for whose task was never written) rebuilds it from the records, so the
+    answer never depends on what the study saw before. Thread-safe: the leader asks from
+    a worker thread. Holds at most ``keep`` studies, the least recently asked dropped."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._kept: collections.OrderedDict[Hashable, _Kept] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.rebuilt = 0  # studies built from the records (a first question included)
+
+    def suggest(self, key: Hashable, exp: Experiment, seed: int, index: int,
+                trials: list[Trial]) -> dict[str, Any]:
+        """The parameters of trial ``index`` of the experiment ``key`` names."""
+        assert exp.objective is not None
+        with self._lock:
+            kept = self._kept.pop(key, None)
+            dists = distributions(exp)
+            if (kept is None or kept.dists != dists or kept.goal != exp.objective.goal
+                    or not _bring_up(kept, trials)):
+                kept = self._build(exp, trials)
+            self._kept[key] = kept
+            while len(self._kept) > self.keep:
+                self._kept.popitem(last=False)
+            kept.study.sampler = _sampler(exp, seed, index)
+            params = _ask(exp, kept.study, kept.dists)
+            kept.held.append(Trial(index, params, "running"))  # the trial just asked
+            return params
+
+    def _build(self, exp: Experiment, trials: list[Trial]) -> _Kept:
+        assert exp.objective is not None
+        self.rebuilt += 1
+        study, dists = _study(exp, [])
+        kept = _Kept(study, dists, exp.objective.goal)
+        if not _bring_up(kept, trials):
+            raise AssertionError("a new study could not take the trials")  # pragma: no cover
+        return kept
+
+
+def _bring_up(kept: _Kept, trials: list[Trial]) -> bool:
+    """Make ``kept``'s study hold ``trials`` as :func:`_study` would; False where only a
+    rebuild can (see :class:`Studies`)."""
+    held, storage = kept.held, kept.study._storage
+    ids: list[int] | None = None
+    pos = 0
+    for t in trials:
+        if t.index in kept.skipped:
+            continue
+        if pos == len(held):
+            frozen = _frozen_one(t, kept.dists)
+            if frozen is None:
+                kept.skipped.add(t.index)
+                continue
+            kept.study.add_trial(frozen)
+            held.append(t)
+            ids = None
+        else:
+            was = held[pos]
+            if was.index != t.index or was.params != t.params:
+                return False
+            if was != t:
+                if ids is None:
+                    ids = [f._trial_id for f in storage.get_all_trials(
+                        kept.study._study_id, deepcopy=False)]
+                if not _advance(storage, ids[pos], was, t):
+                    return False
+                held[pos] = t
+        pos += 1
+    return pos == len(held)
+
+
+def _advance(storage: Any, trial_id: int, was: Trial, now: Trial) -> bool:
+    """Write into a study the reports and the end of a trial it holds as running;
+    False for any other change (a finished trial is final in Optuna's storage)."""
+    if was.state != "running" or not was.intermediate.keys() <= now.intermediate.keys():
+        return False
+    for step, value in now.intermediate.items():
+        if was.intermediate.get(step) != value:
+            storage.set_trial_intermediate_value(trial_id, step, value)
+    if now.state != "running":
+        values = [now.value] if now.state == "complete" else None
+        storage.set_trial_state_values(trial_id, _state(now.state), values)
+    return True
 
 
 def _plain(value: Any) -> Any:
