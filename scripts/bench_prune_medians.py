@@ -33,10 +33,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hypermesh.recipe.recipe import parse_recipe
+from hypermesh.recipe.recipe import Experiment, parse_recipe
 from hypermesh.state import search
-from hypermesh.state.records import dumps
+from hypermesh.state.keyspace import Keyspace, TaskRef
+from hypermesh.state.records import WorkflowRecord, dumps
 from hypermesh.state.task_metrics import AttemptMetrics
+from hypermesh.state.view import MeshView
 
 RECIPE = """
 experiments:
@@ -76,9 +78,12 @@ def measure(trials: int, steps: int, rounds: int) -> dict[str, Any]:
     record = AttemptMetrics()
     for s in range(steps):
         record.add_text(json.dumps({"loss": 1.0 / (s + 1), "step": s}))
+    looks = looks_in_a_view(exp, made, rounds)
     return {
         "trials": trials,
         "steps": steps,
+        "look_from_trials_ms": 1000 * looks[0],
+        "look_kept_ms": 1000 * looks[1],
         "should_prune_ms": 1000 * timed(lambda: search.should_prune(exp, made, current),
                                         rounds),
         "median_curve_ms": 1000 * timed(lambda: search.median_curve(exp, made), rounds),
@@ -87,6 +92,63 @@ def measure(trials: int, steps: int, rounds: int) -> dict[str, Any]:
         "medians_bytes": len(search.medians_value(completed, medians)),
         "trials_metrics_bytes": trials * len(dumps(record.to_json())),
     }
+
+
+class _View:
+    """A mesh view fed keys as a watch would (``MeshView.apply``)."""
+
+    def __init__(self, exp_recipe: str) -> None:
+        self.ks = Keyspace("bench")
+        self.view = MeshView(self.ks)
+        self.rev = 0
+        wf = WorkflowRecord(id="w", name="w", recipe=parse_recipe(exp_recipe), seed=1,
+                            submitted_at=1.0, workdir="/tmp")
+        self.put(self.ks.workflow("w"), wf.to_json())
+        self.put(self.ks.workflow_state("w"), {"state": "running"})
+
+    def put(self, key: str, value: dict[str, Any]) -> None:
+        self.rev += 1
+        self.view.apply(key, dumps(value), self.rev, self.rev)
+
+    def end(self, ref: TaskRef, value: float) -> None:
+        self.put(self.ks.attempt(ref, 1), {"attempt": 1, "node": "n1", "state": "succeeded",
+                                           "exit_code": 0, "reason": "exit"})
+        self.put(self.ks.result(ref), {"state": "succeeded", "attempt": 1, "exit_code": 0,
+                                       "ended_at": 5.0})
+
+
+def looks_in_a_view(exp: Experiment, made: list[search.Trial],
+                    rounds: int) -> tuple[float, float]:
+    """Median seconds of one look at the medians after one more trial completed, in a
+    view holding ``made``: from every trial (``trials_of``, then ``median_curve``: what
+    a look cost before), and from the medians kept since the last look
+    (``MedianCurve``), alternating. Both must give the same figures."""
+    fed = _View(RECIPE % len(made))
+    exp = fed.view.workflows["w"].recipe.experiment(exp.name)
+    for t in made:
+        ref = TaskRef("w", exp.name, t.index)
+        fed.put(fed.ks.task(ref), {"params": t.params})
+        record = AttemptMetrics()
+        for step, value in t.intermediate.items():
+            record.add({"loss": value}, step)
+        fed.put(fed.ks.metrics(ref, 1), record.to_json())
+        if t.state == "complete":
+            fed.end(ref, t.value or 0.0)
+    curve = search.MedianCurve(exp)
+    curve.update(fed.view, "w")
+    running = [t for t in made if t.state == "running"]
+    whole: list[float] = []
+    kept: list[float] = []
+    for t in running[:rounds]:
+        fed.end(TaskRef("w", exp.name, t.index), 1.0)
+        started = time.perf_counter()
+        expected = search.median_curve(exp, search.trials_of(fed.view, "w", exp))
+        whole.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        got = curve.update(fed.view, "w")
+        kept.append(time.perf_counter() - started)
+        assert got == expected
+    return statistics.median(whole), statistics.median(kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.trials) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--trials, --steps and --rounds must be at least 1")
     print(f"{'trials':>7} {'should_prune':>13} {'median_curve':>13} {'by_medians':>11} "
-          f"{'medians B':>10} {'metrics B':>11}", file=sys.stderr)
+          f"{'medians B':>10} {'metrics B':>11} {'look, all':>10} {'look, kept':>11}",
+          file=sys.stderr)
     for n in args.trials:
         r = measure(n, args.steps, args.rounds)
         print(f"{n:>7} {r['should_prune_ms']:>10.1f} ms {r['median_curve_ms']:>10.1f} ms "
               f"{r['prune_by_medians_ms']:>8.1f} ms {r['medians_bytes']:>10,} "
-              f"{r['trials_metrics_bytes']:>11,}", file=sys.stderr)
+              f"{r['trials_metrics_bytes']:>11,} {r['look_from_trials_ms']:>7.1f} ms "
+              f"{r['look_kept_ms']:>8.1f} ms", file=sys.stderr)
         if args.json:
             print(json.dumps(r))
     return 0

@@ -14,9 +14,9 @@ the experiment's size, and asks the same pruner with it
 While a node that watches only its own part is alive (such nodes register with
 ``offers``), the leader works it out again when the experiment's count of finished
 trials changed, at most every ``PUBLISH_S`` (a change sooner waits for a round then),
-with the figures its own pruning checks use (``PruningMedians.from_view``: worked out
-once per change, in a thread), and writes it only when it changed, fenced by the
-workflow's state as every leader write.
+with the figures its own pruning checks use (``PruningMedians.from_view``: brought up
+to date once per change, from the trials that changed: ``search.MedianCurve``), and
+writes it only when it changed, fenced by the workflow's state as every leader write.
 """
 
 from __future__ import annotations

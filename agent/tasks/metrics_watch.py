@@ -193,11 +193,13 @@ class PruningMedians:
         self.worked = 0
         self._got: dict[tuple[str, str], tuple[float, Medians]] = {}
         self._from_view: dict[tuple[str, str], tuple[int, Medians]] = {}
+        self._curves: dict[tuple[str, str], search.MedianCurve] = {}
         self._lock = asyncio.Lock()
 
     async def from_view(self, view: MeshView, wid: str, exp: Experiment) -> Medians:
-        """The medians of ``exp``'s completed trials in ``view``, worked out again (in a
-        thread) only when one of its tasks finished since: nothing else changes them."""
+        """The medians of ``exp``'s completed trials in ``view``, brought up to date
+        only when one of its tasks finished since (nothing else changes them), from
+        those of the last time (``search.MedianCurve``: the trials that changed)."""
         key = (wid, exp.name)
         async with self._lock:
             ended = search.settle_experiment(view, wid, exp.name)
@@ -205,10 +207,12 @@ class PruningMedians:
             if got is None or got[0] != ended:
                 self._from_view = {k: v for k, v in self._from_view.items()
                                    if k[0] in view.workflows}  # forget deleted workflows
-                trials = search.trials_of(view, wid, exp)  # on the loop: reads the view
-                medians = await asyncio.to_thread(search.median_curve, exp, trials)
+                self._curves = {k: v for k, v in self._curves.items() if k[0] in view.workflows}
+                curve = self._curves.get(key)
+                if curve is None or curve.exp is not exp:  # new, or its recipe put again
+                    curve = self._curves[key] = search.MedianCurve(exp)
                 self.worked += 1
-                got = self._from_view[key] = (ended, medians)
+                got = self._from_view[key] = (ended, curve.update(view, wid))  # reads view
             return got[1]
 
     async def of(self, wid: str, experiment: str) -> Medians:

@@ -20,7 +20,9 @@ not pay for it.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import functools
 import hashlib
 import json
 import math
@@ -130,6 +132,7 @@ def next_indices(budget: int, parallel: int, created: int, finished: int) -> ran
 # --------------------------------------------------------------------------- Optuna
 
 
+@functools.cache
 def _optuna() -> Any:
     import optuna
 
@@ -189,9 +192,14 @@ def _frozen_one(t: Trial, dists: dict[str, Any]) -> optuna.trial.FrozenTrial | N
 
 
 def _state(state: TrialState) -> Any:
+    return _states()[state]
+
+
+@functools.cache
+def _states() -> dict[str, Any]:
     states = _optuna().trial.TrialState
     return {"complete": states.COMPLETE, "pruned": states.PRUNED,
-            "running": states.RUNNING, "failed": states.FAIL}[state]
+            "running": states.RUNNING, "failed": states.FAIL}
 
 
 def _sampler(exp: Experiment, seed: int, index: int) -> Any:
@@ -371,6 +379,95 @@ def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, f
         if math.isfinite(median):
             medians[step] = median
     return len(done), medians
+
+
+class MedianCurve:
+    """``median_curve``'s figures for one experiment of a view, kept between looks and
+    brought up to the view trial by trial (a random test holds them equal to
+    ``median_curve`` of ``trials_of``).
+
+    A look reads, per trial, its task record, result, decisive attempt's metrics and
+    pruned mark, and works out again only the trials where one of those changed (the
+    mirror replaces a record's object whenever it changes), then the medians of only
+    the steps whose values changed: per step, the counted trials' values are kept
+    sorted. So a look after one more trial completed costs a pass over the trials'
+    records, not over every trial's every report as ``median_curve`` does. Reads the
+    view: call it on the loop that changes it."""
+
+    def __init__(self, exp: Experiment) -> None:
+        self.exp = exp
+        self._dists = distributions(exp) if exp.objective else {}
+        self._metric = exp.objective.metric if exp.objective else None
+        self._marks: dict[int, tuple[object, ...]] = {}
+        self._counted: dict[int, dict[int, float]] = {}  # completed, comparable: values
+        self._values: dict[int, list[float]] = {}  # step -> the values but NaN, sorted
+        self._medians: dict[int, float] = {}
+        self._dirty: set[int] = set()
+
+    def update(self, view: MeshView, wid: str) -> tuple[int, dict[int, float]]:
+        """``(completed trials, {step: median})`` of the experiment in ``view`` now."""
+        exp = self.exp
+        if exp.objective is None:
+            return 0, {}
+        settle_experiment(view, wid, exp.name)
+        refs = view.task_refs(wid, exp.name)
+        for ref in refs:
+            task = view.tasks[ref]
+            result = view.results.get(ref)
+            reported = view.metrics.get(ref, {})
+            metrics = reported.get(result.attempt if result else max(reported, default=0))
+            marks = (task, result, metrics, view.pruned(ref))
+            old = self._marks.get(ref.index)
+            if old is not None and all(a is b for a, b in zip(old, marks, strict=True)):
+                continue
+            self._marks[ref.index] = marks
+            trial = _trial(view, ref, task.get("params", {}), self._metric)
+            counted = trial.state == "complete" and _frozen_one(trial, self._dists) is not None
+            self._count(ref.index, trial.intermediate if counted else None)
+        if len(self._marks) > len(refs):  # tasks gone (a workflow being purged)
+            for index in self._marks.keys() - {ref.index for ref in refs}:
+                del self._marks[index]
+                self._count(index, None)
+        for step in self._dirty:
+            median = _median(self._values.get(step, []))
+            if median is None:
+                self._medians.pop(step, None)
+            else:
+                self._medians[step] = median
+        self._dirty.clear()
+        return len(self._counted), {s: self._medians[s] for s in sorted(self._medians)}
+
+    def _count(self, index: int, values: dict[int, float] | None) -> None:
+        """Count trial ``index`` with ``values`` (its reports), or not at all (None)."""
+        old = self._counted.pop(index, None)
+        for step, value in (old or {}).items():
+            self._dirty.add(step)
+            if value == value:  # not NaN
+                held = self._values[step]
+                del held[bisect.bisect_left(held, value)]
+        if values is None:
+            return
+        self._counted[index] = dict(values)
+        for step, value in values.items():
+            self._dirty.add(step)
+            if value == value:
+                bisect.insort(self._values.setdefault(step, []), value)
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of sorted ``values`` exactly as ``median_curve`` works it out (NumPy's
+    50th percentile, ``linear``: its two neighbours, interpolated at 0 for an odd count
+    and 1/2 for an even one, by NumPy's formula), None where it is not finite or there
+    is none. In plain floats: one step's median costs no NumPy call."""
+    n = len(values)
+    if n == 0:
+        return None
+    mid = (n - 1) // 2
+    a, b = values[mid], values[min(mid + 1, n - 1)]
+    t = 0.0 if n % 2 else 0.5
+    diff = b - a  # NumPy's _lerp: from the nearer end, so that t = 1/2 is symmetric
+    median = float(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
+    return median if math.isfinite(median) else None
 
 
 def medians_value(completed: int, medians: dict[int, float]) -> bytes:
