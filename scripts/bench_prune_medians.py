@@ -11,7 +11,12 @@ with ``time.perf_counter`` (medians of ``--rounds``), in this one process:
   most every 2 s for the nodes that see no metrics (``agent/leader/prune_medians.py``);
 - ``prune_by_medians``: what a check asks now, at each report of a running trial;
 - the bytes of the ``prunemed/`` value that node reads, against the metrics records of
-  the trials (about what reading the experiment's trials from etcd would move).
+  the trials (about what reading the experiment's trials from etcd would move);
+- in a ``MeshView`` fed the trials as a watch would, after one more trial completed: a
+  look at the medians from every trial (``trials_of``, then ``median_curve``: what a
+  node that sees every trial did before) against the medians kept (``MedianCurve``),
+  and reading the trials alone, as a suggestion does (``trials_of`` against
+  ``KeptTrials``).
 
     .venv/bin/python scripts/bench_prune_medians.py [--trials 100 1000 4096]
         [--steps 100] [--rounds 5] [--json]
@@ -22,6 +27,7 @@ Pure Python on one core, no etcd. It asserts nothing about speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -84,6 +90,8 @@ def measure(trials: int, steps: int, rounds: int) -> dict[str, Any]:
         "steps": steps,
         "look_from_trials_ms": 1000 * looks[0],
         "look_kept_ms": 1000 * looks[1],
+        "read_trials_ms": 1000 * looks[2],
+        "read_kept_trials_ms": 1000 * looks[3],
         "should_prune_ms": 1000 * timed(lambda: search.should_prune(exp, made, current),
                                         rounds),
         "median_curve_ms": 1000 * timed(lambda: search.median_curve(exp, made), rounds),
@@ -118,11 +126,12 @@ class _View:
 
 
 def looks_in_a_view(exp: Experiment, made: list[search.Trial],
-                    rounds: int) -> tuple[float, float]:
+                    rounds: int) -> tuple[float, ...]:
     """Median seconds of one look at the medians after one more trial completed, in a
     view holding ``made``: from every trial (``trials_of``, then ``median_curve``: what
     a look cost before), and from the medians kept since the last look
-    (``MedianCurve``), alternating. Both must give the same figures."""
+    (``MedianCurve``); then of reading the trials alone, as a suggestion does: every
+    trial (``trials_of``) and those kept (``KeptTrials``). Each pair must agree."""
     fed = _View(RECIPE % len(made))
     exp = fed.view.workflows["w"].recipe.experiment(exp.name)
     for t in made:
@@ -136,19 +145,25 @@ def looks_in_a_view(exp: Experiment, made: list[search.Trial],
             fed.end(ref, t.value or 0.0)
     curve = search.MedianCurve(exp)
     curve.update(fed.view, "w")
+    trials = search.KeptTrials(exp)
+    trials.update(fed.view, "w")
     running = [t for t in made if t.state == "running"]
-    whole: list[float] = []
-    kept: list[float] = []
+    times: dict[str, list[float]] = {"whole": [], "kept": [], "read": [], "read kept": []}
+
+    def timed_once(name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        got = fn()
+        times[name].append(time.perf_counter() - started)
+        return got
+
     for t in running[:rounds]:
         fed.end(TaskRef("w", exp.name, t.index), 1.0)
-        started = time.perf_counter()
-        expected = search.median_curve(exp, search.trials_of(fed.view, "w", exp))
-        whole.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        got = curve.update(fed.view, "w")
-        kept.append(time.perf_counter() - started)
-        assert got == expected
-    return statistics.median(whole), statistics.median(kept)
+        read = timed_once("read", lambda: search.trials_of(fed.view, "w", exp))
+        expected = timed_once("whole", functools.partial(search.median_curve, exp, read))
+        times["whole"][-1] += times["read"][-1]
+        assert timed_once("kept", lambda: curve.update(fed.view, "w")) == expected
+        assert timed_once("read kept", lambda: trials.update(fed.view, "w"))[0] == read
+    return tuple(statistics.median(times[k]) for k in ("whole", "kept", "read", "read kept"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,14 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.trials) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--trials, --steps and --rounds must be at least 1")
     print(f"{'trials':>7} {'should_prune':>13} {'median_curve':>13} {'by_medians':>11} "
-          f"{'medians B':>10} {'metrics B':>11} {'look, all':>10} {'look, kept':>11}",
-          file=sys.stderr)
+          f"{'medians B':>10} {'metrics B':>11} {'look, all':>10} {'look, kept':>11} "
+          f"{'read, all':>10} {'read, kept':>11}", file=sys.stderr)
     for n in args.trials:
         r = measure(n, args.steps, args.rounds)
         print(f"{n:>7} {r['should_prune_ms']:>10.1f} ms {r['median_curve_ms']:>10.1f} ms "
               f"{r['prune_by_medians_ms']:>8.1f} ms {r['medians_bytes']:>10,} "
               f"{r['trials_metrics_bytes']:>11,} {r['look_from_trials_ms']:>7.1f} ms "
-              f"{r['look_kept_ms']:>8.1f} ms", file=sys.stderr)
+              f"{r['look_kept_ms']:>8.1f} ms {r['read_trials_ms']:>7.1f} ms "
+              f"{r['read_kept_trials_ms']:>8.1f} ms", file=sys.stderr)
         if args.json:
             print(json.dumps(r))
     return 0

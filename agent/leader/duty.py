@@ -229,7 +229,7 @@ class LeaderDuty:
         wf = a.view.workflows[action.workflow]
         exp = wf.recipe.experiment(action.experiment)
         seed = experiment_seed(wf.seed, exp)
-        trials = search.trials_of(a.view, wf.id, exp)
+        trials = self.studies.trials_of(a.view, wf.id, exp)  # on the loop: reads the view
         block = leader.block_of(a.view, wf.id, exp) is not None
         for index in action.indices:
             params = await asyncio.to_thread(

@@ -22,7 +22,8 @@ Not covered: a process that left the session, lost its parent and dropped the ma
 from its environment (inside a container too, though its container is removed).
 
 :func:`kill_leftovers` stops (SIGSTOP) what it finds, so that nothing forks or leaves while
-it looks, looks again until nothing new turns up, then kills it all (SIGKILL) and waits
+it looks, looks again until nothing new turns up (nor a process whose environment read
+empty, as it does in the middle of an exec), then kills it all (SIGKILL) and waits
 until it is gone. Reading ``/proc`` directly, it needs no import beyond the standard
 library, so that the watchdog that runs it starts fast.
 """
@@ -42,6 +43,13 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 FIND_PASSES = 8
 """Most looks for processes that appeared while the found ones were being stopped."""
+
+KTHREADD = 2
+"""The kernel's thread creator: it and its children (kernel threads) have no environment."""
+
+UNSURE_PAUSE_S = 0.005
+"""Pause before looking again when a process's environment read empty and nothing new
+was found: an exec shows the new program's environment within microseconds."""
 
 GONE_WAIT_S = 5.0
 """How long :func:`kill_leftovers` waits for what it killed to be gone, in seconds."""
@@ -122,9 +130,14 @@ class ProcessScan:
         self.marker = None if marker is None else b"\0" + marker + b"\0"
         self.since = since
         self._marked: dict[tuple[int, int], bool] = {}
+        # Processes of the last table whose environment read empty: in the middle of an
+        # exec (the kernel shows a new program's environment only once it is set up), or
+        # started with none. Read again at the next table, never taken as unmarked.
+        self.unsure: set[int] = set()
 
     def table(self) -> dict[int, Proc]:
         table = {}
+        self.unsure = set()
         for name in os.listdir("/proc"):
             if name.isdigit():
                 proc = read_proc(int(name))
@@ -140,6 +153,11 @@ class ProcessScan:
         if marked is None:
             environ = _read(f"/proc/{proc.pid}/environ")  # None: gone, or not ours to read
             assert self.marker is not None
+            # init and the kernel's threads are never a task's (and may have none)
+            system = proc.pid in (1, KTHREADD) or proc.ppid == KTHREADD
+            if environ == b"" and not proc.zombie and not system:
+                self.unsure.add(proc.pid)  # an exec under way, maybe: not cached
+                return False
             marked = self._marked[key] = environ is not None and self.marker in b"\0" + environ
         return marked
 
@@ -190,11 +208,13 @@ def kill_leftovers(
     stopped: set[int] = set()
     for _ in range(FIND_PASSES):
         new = doomed(records, scan.table(), spare) - stopped
-        if not new:
+        if not new and not scan.unsure - stopped:
             break
         for pid in new:
             _signal(pid, signal.SIGSTOP)
         stopped |= new
+        if not new:
+            time.sleep(UNSURE_PAUSE_S)  # let an exec under way show its environment
     for pid in stopped:
         _signal(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait

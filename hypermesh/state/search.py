@@ -254,8 +254,23 @@ class Studies:
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
         self._kept: collections.OrderedDict[Hashable, _Kept] = collections.OrderedDict()
+        self._trials: collections.OrderedDict[tuple[str, str], KeptTrials] = (
+            collections.OrderedDict())
         self._lock = threading.Lock()
         self.rebuilt = 0  # studies built from the records (a first question included)
+
+    def trials_of(self, view: MeshView, wid: str, exp: Experiment) -> list[Trial]:
+        """``trials_of``'s trials, from those of the last look at the experiment (an
+        unchanged trial is the same object, which :meth:`suggest` then need not compare).
+        Reads the view: call it on the loop that changes it, not in the asking thread."""
+        key = (wid, exp.name)
+        kept = self._trials.pop(key, None)
+        if kept is None or kept.exp is not exp:  # new, or its workflow record put again
+            kept = KeptTrials(exp)
+        self._trials[key] = kept
+        while len(self._trials) > self.keep:
+            self._trials.popitem(last=False)
+        return kept.update(view, wid)[0]
 
     def suggest(self, key: Hashable, exp: Experiment, seed: int, index: int,
                 trials: list[Trial]) -> dict[str, Any]:
@@ -304,6 +319,9 @@ def _bring_up(kept: _Kept, trials: list[Trial]) -> bool:
             ids = None
         else:
             was = held[pos]
+            if was is t:  # the same trial object (KeptTrials): nothing changed
+                pos += 1
+                continue
             if was.index != t.index or was.params != t.params:
                 return False
             if was != t:
@@ -381,36 +399,26 @@ def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, f
     return len(done), medians
 
 
-class MedianCurve:
-    """``median_curve``'s figures for one experiment of a view, kept between looks and
-    brought up to the view trial by trial (a random test holds them equal to
-    ``median_curve`` of ``trials_of``).
-
-    A look reads, per trial, its task record, result, decisive attempt's metrics and
-    pruned mark, and works out again only the trials where one of those changed (the
-    mirror replaces a record's object whenever it changes), then the medians of only
-    the steps whose values changed: per step, the counted trials' values are kept
-    sorted. So a look after one more trial completed costs a pass over the trials'
-    records, not over every trial's every report as ``median_curve`` does. Reads the
-    view: call it on the loop that changes it."""
+class KeptTrials:
+    """An experiment's trials as ``trials_of`` gives them, kept between looks: a look
+    reads, per trial, its task record, result, decisive attempt's metrics and pruned
+    mark, and makes again only the trials where one of those changed (the mirror
+    replaces a record's object whenever it changes). An unchanged trial is the same
+    object as at the last look. Reads the view: call it on the loop that changes it."""
 
     def __init__(self, exp: Experiment) -> None:
         self.exp = exp
-        self._dists = distributions(exp) if exp.objective else {}
         self._metric = exp.objective.metric if exp.objective else None
         self._marks: dict[int, tuple[object, ...]] = {}
-        self._counted: dict[int, dict[int, float]] = {}  # completed, comparable: values
-        self._values: dict[int, list[float]] = {}  # step -> the values but NaN, sorted
-        self._medians: dict[int, float] = {}
-        self._dirty: set[int] = set()
+        self._trials: dict[int, Trial] = {}
 
-    def update(self, view: MeshView, wid: str) -> tuple[int, dict[int, float]]:
-        """``(completed trials, {step: median})`` of the experiment in ``view`` now."""
-        exp = self.exp
-        if exp.objective is None:
-            return 0, {}
-        settle_experiment(view, wid, exp.name)
-        refs = view.task_refs(wid, exp.name)
+    def update(self, view: MeshView,
+               wid: str) -> tuple[list[Trial], list[tuple[int, Trial | None]]]:
+        """Every created trial by index (a new list), and the trials made again since
+        the last look (index, the trial now; None for a task gone)."""
+        settle_experiment(view, wid, self.exp.name)
+        refs = view.task_refs(wid, self.exp.name)
+        changed: list[tuple[int, Trial | None]] = []
         for ref in refs:
             task = view.tasks[ref]
             result = view.results.get(ref)
@@ -421,13 +429,43 @@ class MedianCurve:
             if old is not None and all(a is b for a, b in zip(old, marks, strict=True)):
                 continue
             self._marks[ref.index] = marks
-            trial = _trial(view, ref, task.get("params", {}), self._metric)
-            counted = trial.state == "complete" and _frozen_one(trial, self._dists) is not None
-            self._count(ref.index, trial.intermediate if counted else None)
+            trial = self._trials[ref.index] = _trial(view, ref, task.get("params", {}),
+                                                     self._metric)
+            changed.append((ref.index, trial))
         if len(self._marks) > len(refs):  # tasks gone (a workflow being purged)
             for index in self._marks.keys() - {ref.index for ref in refs}:
-                del self._marks[index]
-                self._count(index, None)
+                del self._marks[index], self._trials[index]
+                changed.append((index, None))
+        return [self._trials[ref.index] for ref in refs], changed
+
+
+class MedianCurve:
+    """``median_curve``'s figures for one experiment of a view, kept between looks and
+    brought up to the view trial by trial (a random test holds them equal to
+    ``median_curve`` of ``trials_of``): only the trials made again (:class:`KeptTrials`)
+    are counted again, and the medians of only the steps whose values changed are worked
+    out again (per step, the counted trials' values are kept sorted). So a look after
+    one more trial completed costs a pass over the trials' records, not over every
+    trial's every report as ``median_curve`` does. Reads the view: call it on the loop
+    that changes it."""
+
+    def __init__(self, exp: Experiment) -> None:
+        self.exp = exp
+        self._kept = KeptTrials(exp)
+        self._dists = distributions(exp) if exp.objective else {}
+        self._counted: dict[int, dict[int, float]] = {}  # completed, comparable: values
+        self._values: dict[int, list[float]] = {}  # step -> the values but NaN, sorted
+        self._medians: dict[int, float] = {}
+        self._dirty: set[int] = set()
+
+    def update(self, view: MeshView, wid: str) -> tuple[int, dict[int, float]]:
+        """``(completed trials, {step: median})`` of the experiment in ``view`` now."""
+        if self.exp.objective is None:
+            return 0, {}
+        for index, trial in self._kept.update(view, wid)[1]:
+            counted = (trial is not None and trial.state == "complete"
+                       and _frozen_one(trial, self._dists) is not None)
+            self._count(index, trial.intermediate if trial is not None and counted else None)
         for step in self._dirty:
             median = _median(self._values.get(step, []))
             if median is None:

@@ -6,7 +6,8 @@ those that do not); ``search.median_curve`` of ``search.trials_of`` works them o
 every trial (the reference). Random histories go through a real mirror (``Feed``), as a
 watch delivers them: tasks created (some outside the space), reports, ends of every
 kind, reports that come after the end, retries, tied, infinite and NaN values, tasks
-deleted; after each change both must agree."""
+deleted; after each change both must agree, and ``search.KeptTrials`` (which both the
+medians and the leader's suggestions read) must give ``trials_of``'s trials."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_kept_medians_equal_the_medians_of_every_trial(seed: int) -> None:
     feed.workflow("w", PRUNED, state="running")
     exp = feed.view.workflows["w"].recipe.experiment("e")
     curve = search.MedianCurve(exp)
+    kept = search.KeptTrials(exp)
+    last: dict[int, search.Trial] = {}
     attempt: dict[int, int] = {}  # task index -> its attempt
     reports: dict[int, dict[int, float]] = {}
     looked = completed = 0
@@ -83,8 +86,15 @@ def test_kept_medians_equal_the_medians_of_every_trial(seed: int) -> None:
                 feed.delete(key)
             del attempt[ref.index], reports[ref.index]
         if rng.random() < 0.5:
-            expected = search.median_curve(exp, search.trials_of(feed.view, "w", exp))
+            trials = search.trials_of(feed.view, "w", exp)
+            expected = search.median_curve(exp, trials)
             assert curve.update(feed.view, "w") == expected
+            now, changed = kept.update(feed.view, "w")
+            assert now == trials
+            remade = {index for index, _ in changed}
+            for t in now:  # a trial not made again is the object of the last look
+                assert (t is last.get(t.index)) == (t.index not in remade)
+            last = {t.index: t for t in now}
             looked += 1
             completed = max(completed, expected[0])
     assert looked > 100 and completed >= 5  # the medians were compared, of several trials

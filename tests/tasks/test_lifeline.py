@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hypermesh.agent.tasks import lifeline
+from hypermesh.agent.tasks import leftovers, lifeline
 from hypermesh.agent.tasks.leftovers import (
     Proc,
     Record,
@@ -171,6 +171,50 @@ def test_leftovers_are_found_by_session_descent_and_marker_and_a_reused_pid_is_s
     finally:
         innocent.kill()
         innocent.wait()
+
+
+def test_a_marked_process_caught_in_the_middle_of_an_exec_is_still_killed(
+    tmp_path: Path, reaper: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a process execs, the kernel shows its new program's environment only once
+    it is set up: read then, a marked process (one whose parent has just exited, say)
+    looks unmarked. The first read of its environment is made empty here, as that
+    window would; it must be read again, and the process killed. A process that has
+    no environment at all is read again too, and spared."""
+    marker = marker_entry(str(tmp_path / "journal"))
+    name, _, value = os.fsdecode(marker).partition("=")
+    marked = subprocess.Popen(["sleep", "300"], env={name: value}, start_new_session=True)
+    bare = subprocess.Popen(["sleep", "300"], env={}, start_new_session=True)
+    reaper.extend([marked.pid, bare.pid])
+    wait_for(lambda: all(psutil.Process(p.pid).name() == "sleep" for p in (marked, bare)),
+             DEADLINE, "both processes to run sleep")
+    assert read_proc_environ(marked.pid) == marker + b"\0"
+    assert read_proc_environ(bare.pid) == b""
+    real_read = leftovers._read
+    reads: list[int] = []
+
+    def in_exec_once(path: str) -> bytes | None:
+        if path == f"/proc/{marked.pid}/environ":
+            reads.append(marked.pid)
+            if len(reads) == 1:
+                return b""  # the first look falls in the exec's window
+        return real_read(path)
+
+    monkeypatch.setattr(leftovers, "_read", in_exec_once)
+    try:
+        assert kill_leftovers([], marker, wait=DEADLINE) == 1
+        assert marked.wait(DEADLINE) == -signal.SIGKILL and len(reads) >= 2
+        assert bare.poll() is None  # no environment: read again, never marked
+    finally:
+        for proc in (marked, bare):
+            proc.kill()
+            proc.wait()
+
+
+def read_proc_environ(pid: int) -> bytes | None:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read()
+    return None
 
 
 def watchdogs(agent: AgentProcess) -> list[psutil.Process]:
