@@ -21,6 +21,7 @@ receives neither blocks nor metrics, and reads the medians the leader publishes
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -179,6 +180,10 @@ class MetricsWatch:
 
 Medians = tuple[int, dict[int, float]]  # (completed trials, {step: median})
 
+CURVES_KEPT = 8
+"""Experiments whose medians a node keeps between looks (``search.MedianCurve``); one
+dropped is worked out from all its trials at its next look."""
+
 
 class PruningMedians:
     """What a node's pruning checks compare with, per experiment: the leader's medians
@@ -193,7 +198,10 @@ class PruningMedians:
         self.worked = 0
         self._got: dict[tuple[str, str], tuple[float, Medians]] = {}
         self._from_view: dict[tuple[str, str], tuple[int, Medians]] = {}
-        self._curves: dict[tuple[str, str], search.MedianCurve] = {}
+        # The experiments' kept medians, the least recently looked at dropped past
+        # CURVES_KEPT (one holds its trials' reports: megabytes at thousands of trials)
+        self._curves: collections.OrderedDict[tuple[str, str], search.MedianCurve] = (
+            collections.OrderedDict())
         self._lock = asyncio.Lock()
 
     async def from_view(self, view: MeshView, wid: str, exp: Experiment) -> Medians:
@@ -207,10 +215,12 @@ class PruningMedians:
             if got is None or got[0] != ended:
                 self._from_view = {k: v for k, v in self._from_view.items()
                                    if k[0] in view.workflows}  # forget deleted workflows
-                self._curves = {k: v for k, v in self._curves.items() if k[0] in view.workflows}
-                curve = self._curves.get(key)
+                curve = self._curves.pop(key, None)
                 if curve is None or curve.exp is not exp:  # new, or its recipe put again
-                    curve = self._curves[key] = search.MedianCurve(exp)
+                    curve = search.MedianCurve(exp)
+                self._curves[key] = curve
+                while len(self._curves) > CURVES_KEPT:
+                    self._curves.popitem(last=False)
                 self.worked += 1
                 got = self._from_view[key] = (ended, curve.update(view, wid))  # reads view
             return got[1]

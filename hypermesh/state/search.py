@@ -485,7 +485,7 @@ class MedianCurve:
                 del held[bisect.bisect_left(held, value)]
         if values is None:
             return
-        self._counted[index] = dict(values)
+        self._counted[index] = values  # the trial's own: a Trial's reports never change
         for step, value in values.items():
             self._dirty.add(step)
             if value == value:

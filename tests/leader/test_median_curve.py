@@ -11,11 +11,15 @@ medians and the leader's suggestions read) must give ``trials_of``'s trials."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
+from hypermesh.agent.tasks import metrics_watch
+from hypermesh.agent.tasks.metrics_watch import PruningMedians
 from hypermesh.state import search
+from hypermesh.state.etcd import Etcd
 from hypermesh.state.keyspace import TaskRef
 from tests.state.test_model import Feed
 
@@ -116,3 +120,41 @@ def test_one_step_s_median_is_numpy_s_to_the_last_bit() -> None:
         got = search._median(values)
         assert got == (expected if np.isfinite(expected) else None), values
     assert search._median([]) is None
+
+
+def test_a_node_keeps_the_medians_of_a_few_experiments_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kept medians hold their trials' reports: a node keeps those of the experiments it
+    looked at last, and works the others out again from all their trials."""
+    monkeypatch.setattr(metrics_watch, "CURVES_KEPT", 2)
+    feed = Feed()
+
+    def finish(wid: str, i: int) -> None:
+        ref = TaskRef(wid, "e", i)
+        feed.put(feed.ks.task(ref), {"params": {"lr": 0.1 * i}})
+        feed.claim(ref)
+        feed.put(feed.ks.metrics(ref, 1), metrics({0: float(i), 1: 2.0 * i + len(wid)}))
+        feed.finish(ref, "succeeded")
+
+    for wid in ("a", "b", "c"):
+        feed.workflow(wid, PRUNED, state="running")
+        for i in range(3):
+            finish(wid, i)
+    medians = PruningMedians(Etcd(["127.0.0.1:1"]), feed.ks)  # never reads etcd here
+
+    async def look(wid: str, completed: int) -> None:
+        exp = feed.view.workflows[wid].recipe.experiment("e")
+        expected = search.median_curve(exp, search.trials_of(feed.view, wid, exp))
+        assert await medians.from_view(feed.view, wid, exp) == expected
+        assert expected[0] == completed
+
+    async def looks() -> None:
+        for wid in ("a", "b", "c"):
+            await look(wid, 3)
+        assert list(medians._curves) == [("b", "e"), ("c", "e")]  # a's dropped
+        finish("a", 3)
+        await look("a", 4)  # from all its trials again
+        assert list(medians._curves) == [("c", "e"), ("a", "e")]
+
+    asyncio.run(looks())
