@@ -483,9 +483,9 @@ class Gossip:
                 # not reach suspected, probes through connections the cut left dead) may
                 # be about our own isolation: the others, who kept their leases, judge.
                 # A suspicion that started before our rejoin ends as a death whenever
-                # its timeout runs out (measured: up to 5.8 s after the heal, longer
-                # than the lease TTL), and a death heard within a TTL of the rejoin may
-                # rest on such a suspicion elsewhere.
+                # its timeout runs out (once in CI 5.8 s after the heal, past the 3 s
+                # lease TTL), and a death heard within a TTL of the rejoin may rest on
+                # such a suspicion elsewhere.
                 doubt = ("we suspected it before we rejoined with a new lease" if before
                          else "we rejoined with a new lease less than a lease TTL ago")
                 a.decide(f"gossip: not acting on {member}'s death: {doubt}")

@@ -173,8 +173,8 @@ def _frozen(trials: list[Trial], dists: dict[str, Any]) -> list[optuna.trial.Fro
 
 
 def _frozen_one(t: Trial, dists: dict[str, Any]) -> optuna.trial.FrozenTrial | None:
-    """The trial as Optuna's, or None where it is not comparable with ``dists`` (which
-    depends on its parameters only, fixed for the trial's index)."""
+    """The trial as Optuna's, or None where it is not comparable with ``dists``: a
+    parameter outside the space, or an objective Optuna does not take (NaN)."""
     optuna = _optuna()
     params = {k: v for k, v in t.params.items() if k in dists}
     if len(params) != len(dists):
@@ -228,13 +228,14 @@ def _ask(exp: Experiment, study: optuna.Study, dists: dict[str, Any]) -> dict[st
 class _Kept:
     """A study kept for one experiment, and what it holds: ``held[i]`` is the trial its
     i-th Optuna trial was last made from (comparable ones only, by index, as
-    :func:`_study` adds them); ``skipped``, the indices found not comparable."""
+    :func:`_study` adds them); ``skipped``, the trials found not comparable (a
+    parameter outside the space, a NaN objective), by index, as last seen."""
 
     study: optuna.Study
     dists: dict[str, Any]
     goal: str
     held: list[Trial] = field(default_factory=list)
-    skipped: set[int] = field(default_factory=set)
+    skipped: dict[int, Trial] = field(default_factory=dict)
 
 
 class Studies:
@@ -246,9 +247,10 @@ class Studies:
     and copy, TPE's own question about 30 (``scripts/bench_search.py``). A kept study is
     brought up to the records first, trial by trial: a running trial's new reports and
     its end are written into it, new trials appended. Anything else (a trial missing
-    or in another place, one that ended differently or was reopened by ``retry``, a
-    trial asked for whose task was never written) rebuilds it from the records, so the
-    answer never depends on what the study saw before. Thread-safe: the leader asks from
+    or in another place, one that ended differently or was reopened by ``retry``, one
+    Optuna no longer takes or takes again, a trial asked for whose task was never
+    written) rebuilds it from the records, so the answer never depends on what the
+    study saw before. Thread-safe: the leader asks from
     a worker thread. Holds at most ``keep`` studies, the least recently asked dropped."""
 
     def __init__(self, keep: int = 4) -> None:
@@ -307,12 +309,18 @@ def _bring_up(kept: _Kept, trials: list[Trial]) -> bool:
     ids: list[int] | None = None
     pos = 0
     for t in trials:
-        if t.index in kept.skipped:
+        left_out = kept.skipped.get(t.index)
+        if left_out is not None:  # not comparable when last seen
+            if left_out is t or left_out == t:
+                continue
+            if _frozen_one(t, kept.dists) is not None:
+                return False  # comparable now: its place is inside the study
+            kept.skipped[t.index] = t
             continue
         if pos == len(held):
             frozen = _frozen_one(t, kept.dists)
             if frozen is None:
-                kept.skipped.add(t.index)
+                kept.skipped[t.index] = t
                 continue
             kept.study.add_trial(frozen)
             held.append(t)
@@ -325,6 +333,8 @@ def _bring_up(kept: _Kept, trials: list[Trial]) -> bool:
             if was.index != t.index or was.params != t.params:
                 return False
             if was != t:
+                if _frozen_one(t, kept.dists) is None:
+                    return False  # no longer comparable (a NaN objective): left out
                 if ids is None:
                     ids = [f._trial_id for f in storage.get_all_trials(
                         kept.study._study_id, deepcopy=False)]

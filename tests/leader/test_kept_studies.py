@@ -10,6 +10,7 @@ suggestion, and every answer must be the same."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -33,9 +34,11 @@ experiments:
 
 
 def loss(p: dict[str, object], rng: random.Random) -> float:
+    """The trial's objective; now and then NaN (a trial Optuna does not take: a study
+    built from the records leaves it out, a kept one must too)."""
     x = p["x"]
     assert isinstance(x, float)
-    return (x - 2) ** 2 + rng.random()
+    return float("nan") if rng.random() < 0.05 else (x - 2) ** 2 + rng.random()
 
 
 # How running trials end: mostly completed, or mostly pruned (TPE then ranks the pruned
@@ -76,6 +79,7 @@ def test_a_kept_study_answers_as_a_new_one(seed: int, ends: str) -> None:
             reports[len(reports)] = rng.random()
             end = rng.choice(ENDS[ends])
             value = loss(t.params, rng) if end == "complete" else None
+            rebuilds += value is not None and math.isnan(value)  # now left out of the study
             trials[k] = Trial(t.index, t.params, end, value, reports)  # type: ignore[arg-type]
         ended = [k for k, t in enumerate(trials) if t.state != "running"]
         if ended and rng.random() < 0.03:
@@ -86,6 +90,24 @@ def test_a_kept_study_answers_as_a_new_one(seed: int, ends: str) -> None:
     # from a study kept and brought up to the records.
     assert studies.rebuilt <= 1 + rebuilds
     assert studies.rebuilt < 80 / 4
+
+
+def test_a_trial_left_out_then_retried_is_taken_again() -> None:
+    """A trial whose objective came out NaN is left out of the study (Optuna does not
+    take it); retried, it runs again and counts as running, in its place by index."""
+    exp = parse_recipe(RECIPE % "minimize").experiments[0]
+    rng = random.Random(3)
+    trials = [Trial(i, {"x": rng.uniform(-10, 10), "n": 2, "opt": "sgd"}, "complete",
+                    float(i)) for i in range(12)]
+    trials[4] = Trial(4, trials[4].params, "complete", float("nan"))
+    studies = Studies()
+    for index, retried in ((12, False), (13, True)):
+        if retried:
+            trials[4] = Trial(4, trials[4].params, "running")
+        expected = search.suggest(exp, 5, index, trials)
+        assert studies.suggest("s", exp, 5, index, trials) == expected
+        trials.append(Trial(index, expected, "running"))
+    assert studies.rebuilt == 2  # the retried trial's place is inside the study
 
 
 def test_a_study_is_kept_per_experiment_and_the_least_recent_dropped() -> None:
