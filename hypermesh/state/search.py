@@ -411,8 +411,9 @@ def median_curve(exp: Experiment, trials: list[Trial]) -> tuple[int, dict[int, f
 
 class KeptTrials:
     """An experiment's trials as ``trials_of`` gives them, kept between looks: a look
-    reads, per trial, its task record, result, decisive attempt's metrics and pruned
-    mark, and makes again only the trials where one of those changed (the mirror
+    reads, per trial, its task record, result, and decisive attempt's metrics and
+    record (which says whether it was pruned), and makes again only the trials where one
+    of those changed (the mirror
     replaces a record's object whenever it changes). An unchanged trial is the same
     object as at the last look. Reads the view: call it on the loop that changes it."""
 
@@ -429,16 +430,21 @@ class KeptTrials:
         settle_experiment(view, wid, self.exp.name)
         refs = view.task_refs(wid, self.exp.name)
         changed: list[tuple[int, Trial | None]] = []
+        tasks, results, metrics_of, attempts = view.tasks, view.results, view.metrics, view.attempts
         for ref in refs:
-            task = view.tasks[ref]
-            result = view.results.get(ref)
-            reported = view.metrics.get(ref, {})
-            metrics = reported.get(result.attempt if result else max(reported, default=0))
-            marks = (task, result, metrics, view.pruned(ref))
+            task = tasks[ref]
+            result = results.get(ref)
+            reported = metrics_of.get(ref)
+            if result is not None:  # its decisive attempt: its metrics, its pruned mark
+                metrics = reported.get(result.attempt) if reported else None
+                attempt = attempts.get(ref, {}).get(result.attempt)
+            else:
+                metrics, attempt = reported[max(reported)] if reported else None, None
             old = self._marks.get(ref.index)
-            if old is not None and all(a is b for a, b in zip(old, marks, strict=True)):
+            if (old is not None and old[0] is task and old[1] is result and old[2] is metrics
+                    and old[3] is attempt):
                 continue
-            self._marks[ref.index] = marks
+            self._marks[ref.index] = (task, result, metrics, attempt)
             trial = self._trials[ref.index] = _trial(view, ref, task.get("params", {}),
                                                      self._metric)
             changed.append((ref.index, trial))
