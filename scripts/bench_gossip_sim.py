@@ -6,10 +6,11 @@
     bench_gossip_sim.py --cost [--cost-sizes 16,64,256,1024] [--cost-periods 240]
                         [--cost-rows 64,10000000] [--json]
     bench_gossip_sim.py --busy [--busy-sizes 32,256] [--busy-seconds 30] [--json]
+    bench_gossip_sim.py --pauses 200 [--pause-sizes 8,32,256] [--json]
 
 Everything runs in ``agent/gossip/simnet.py`` on a virtual clock: one-way latency
 uniform in 0.5-2 ms, every member ticked exactly when it asks. Times are in
-protocol periods (0.5 s in the lan preset) unless marked as seconds.
+protocol periods (1 s in the lan preset) unless marked as seconds.
 
 spread: after 3 quiet periods one member changes its meta; periods until every
 other member holds the new version.
@@ -48,6 +49,12 @@ that missed a version often sees the same counts again), after one loud change o
 every member's meta at once; per member per second over ``--busy-seconds`` after
 30 s: messages, of them gossip rounds, rows per message, bytes; and how many versions
 behind the counts are that 20 members hold of every other.
+
+pauses (``--pauses N``): a SIGSTOP, simulated. N times per mesh size (``--pause-sizes``),
+at a random moment, a random member stops (its messages wait, unanswered), until a
+member declares it dead; then it resumes and 25 periods pass. Seconds from the stop to
+the first suspicion of it and to the first death (median, p95, max), and deaths of the
+other members meanwhile (false deaths).
 """
 
 from __future__ import annotations
@@ -335,6 +342,62 @@ def cost_report(opts: argparse.Namespace) -> int:
     return 0
 
 
+def pauses(n: int, count: int, cfg: GossipConfig) -> dict[str, Any]:
+    """``count`` pauses of random members in meshes of ``n`` (10 per seed)."""
+    period = cfg.protocol_period
+    suspected: list[float] = []
+    dead_at: list[float] = []
+    false_deaths = 0
+    for seed in range(1, (count + 9) // 10 + 1):
+        net = SimNet(n, cfg, seed=seed)
+        rng = random.Random(seed)
+        net.run_periods(5)
+        for _ in range(min(10, count - len(dead_at))):
+            victim = net.names[rng.randrange(n)]
+            net.run_until(net.now + rng.random() * period)
+            watch = net.watch(victim)
+            watch.states.clear()
+            net.false_deaths.clear()
+            stop = net.now
+            net.pause(victim)
+            dead = watch.states.setdefault("dead", {})
+            while not dead and net.now - stop < 60 * period:
+                net.run_until(net.now + 0.02 * period)
+            suspects = watch.states.get("suspect", {})
+            suspected.append(min(suspects.values()) - stop)
+            dead_at.append(min(dead.values()) - stop)
+            false_deaths += sum(1 for _, _, m in net.false_deaths if m != victim)
+            net.resume(victim)
+            net.run_periods(25)
+
+    def summary(xs: list[float]) -> dict[str, float]:
+        xs = sorted(xs)
+        return {"median": statistics.median(xs), "p95": xs[int(0.95 * (len(xs) - 1))],
+                "max": xs[-1]}
+
+    return {"n": n, "pauses": len(dead_at), "first_suspect_s": summary(suspected),
+            "first_dead_s": summary(dead_at), "false_deaths": false_deaths}
+
+
+def pause_report(opts: argparse.Namespace) -> int:
+    cfg = GossipConfig.lan()
+    rows = []
+    for n in (int(s) for s in opts.pause_sizes.split(",") if s):
+        rows.append(pauses(n, opts.pauses, cfg))
+        print(f"# pauses n={n}: {rows[-1]}", file=sys.stderr, flush=True)
+    if opts.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| members | pauses | first suspicion: median / p95 / max (s) "
+          "| first death: median / p95 / max (s) | false deaths |")
+    print("| ---: " * 5 + "|")
+    for r in rows:
+        cells = [" / ".join(f"{r[key][q]:.2f}" for q in ("median", "p95", "max"))
+                 for key in ("first_suspect_s", "first_dead_s")]
+        print(f"| {r['n']} | {r['pauses']} | {cells[0]} | {cells[1]} | {r['false_deaths']} |")
+    return 0
+
+
 def med(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -362,7 +425,12 @@ def main() -> int:
                         help="gossip cost per member while every member's counts change")
     parser.add_argument("--busy-sizes", default="32,256")
     parser.add_argument("--busy-seconds", type=float, default=30.0)
+    parser.add_argument("--pauses", type=int, default=0,
+                        help="simulated SIGSTOPs per mesh size (0: the report above)")
+    parser.add_argument("--pause-sizes", default="8,32,256")
     opts = parser.parse_args()
+    if opts.pauses:
+        return pause_report(opts)
     if opts.cost:
         return cost_report(opts)
     if opts.busy:

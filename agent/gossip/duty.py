@@ -78,6 +78,9 @@ CLOSE_GRACE_S = 3.0
 # A member back from the dead whose link we replaced this recently, and whose channel is
 # still connected, keeps it (see Gossip._link_suspect).
 RESET_MIN_INTERVAL_S = 5.0
+# How often at most we push-pull a member gossip holds dead whose etcd record is a later
+# life (see Gossip._reach_new_lives).
+REACH_INTERVAL_S = 1.0
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -173,22 +176,26 @@ class Gossip:
         self._reset_at: dict[str, float] = {}  # member -> when we last replaced its link
         # member -> when (monotonic) we first heard it suspected, while it stays suspect
         self._suspected_at: dict[str, float] = {}
+        self._reached: dict[str, float] = {}  # dead member -> when we last pushed-pulled it
 
     # ------------------------------------------------------------------ running
     async def run(self) -> None:
         a = self.agent
         now = time.monotonic()
         self.swim = Swim(a.cfg.name, a.address, self.cfg, random.Random(), now, meta=self.meta())
+        self.swim.clock_offset = time.time() - now
         self._meta_at = now
         try:
             while True:
                 now = time.monotonic()
+                self.swim.clock_offset = time.time() - now  # follows steps of the wall clock
                 if not self._has_peers():
                     seeds = self._seeds()
                     if seeds:
                         self._send(self.swim.join(seeds, now))
                 self.swim.confirm_all = a.view.leader() == a.cfg.name  # it revokes (_witness)
                 self._send(self.swim.tick(now))
+                self._reach_new_lives(now)
                 self._publish_load(now)
                 refused = self.swim.refusals.report(now)
                 if refused:
@@ -226,6 +233,32 @@ class Gossip:
         """Peers to join through: the other nodes registered in etcd."""
         me = self.agent.cfg.name
         return [(n.name, n.address) for n in self.agent.view.nodes.values() if n.name != me]
+
+    def _reach_new_lives(self, now: float) -> None:
+        """Push-pull each member gossip holds dead whose node record in etcd is a later
+        life (:func:`new_life`: it rejoined, after a partition healed or after it was
+        stopped and went on): it may not know yet that we hold it dead, nor we that it
+        lives again, and a reconnect round finds it only within about
+        ``reconnect_interval`` (10 s) mesh-wide (8-10 s after the heal, in loaded
+        partition runs). Every member that sees the record tries, at most once every
+        ``REACH_INTERVAL_S`` while the record is a later life and the member dead to us;
+        etcd decides that it lives, gossip only hears it sooner."""
+        assert self.swim is not None
+        dead = self.swim.dead_members()
+        gone = set(self._reached).difference(dead)
+        for member in gone:
+            del self._reached[member]
+        nodes = self.agent.view.nodes
+        for member in dead:
+            node = nodes.get(member)
+            if node is None or now - self._reached.get(member, -math.inf) < REACH_INTERVAL_S:
+                continue
+            why = new_life(self.swim.member(member), node)
+            if why is not None:
+                if member not in self._reached:
+                    self.agent.decide(f"gossip: {member} {why}: reaching it")
+                self._reached[member] = now
+                self._send(self.swim.reconnect(member, node.address, now))
 
     def _has_peers(self) -> bool:
         assert self.swim is not None

@@ -8,6 +8,7 @@ over an optional roster. :class:`MemberView` is the public snapshot of a record.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,8 @@ class Roster:
     ) -> None:
         version, meta_json = (1, encode_meta(meta)) if meta else (0, "{}")
         self.names: tuple[str, ...] = tuple(name for name, _ in members)
+        self.ring: tuple[str, ...] = tuple(sorted(self.names))  # the probe ring's order
+        self.ring_index: dict[str, int] = {name: i for i, name in enumerate(self.ring)}
         self.records: dict[str, _Member] = {
             name: _Member(address, ALIVE, 0, version, meta_json, now) for name, address in members
         }
@@ -114,13 +117,20 @@ class Roster:
 
 
 class _Table:
-    """name -> record: a private overlay over an optional shared roster."""
+    """name -> record: a private overlay over an optional shared roster.
+
+    Its *ring* orders every slot (forgotten roster members keep theirs) by name: the
+    roster's names sorted, then the others sorted. Members that hold the same names
+    hold the same ring, which the probe order relies on (``probe._next_target``)."""
 
     def __init__(self, roster: Roster | None) -> None:
         self._base: dict[str, _Member] = roster.records if roster else {}
         self._base_names: tuple[str, ...] = roster.names if roster else ()
+        self._ring: tuple[str, ...] = roster.ring if roster else ()
+        self._ring_index: dict[str, int] = roster.ring_index if roster else {}
         self._local: dict[str, _Member] = {}
-        self._extra: list[str] = []
+        self._extra: list[str] = []  # names not in the roster, in the order first held
+        self._extra_ring: list[str] = []  # the same, sorted: positions (name_at) stay put
         self._forgotten = 0  # roster members forgotten (they keep their slot in size())
 
     def count(self) -> int:
@@ -137,6 +147,7 @@ class _Table:
         old = self._local.get(name)
         if old is None and name not in self._base:
             self._extra.append(name)
+            bisect.insort(self._extra_ring, name)
         elif old is _FORGOTTEN:
             self._forgotten -= 1
         self._local[name] = rec
@@ -148,6 +159,7 @@ class _Table:
                 self._forgotten += 1
         elif self._local.pop(name, None) is not None:
             self._extra.remove(name)
+            del self._extra_ring[bisect.bisect_left(self._extra_ring, name)]
 
     def size(self) -> int:
         return len(self._base_names) + len(self._extra)
@@ -155,6 +167,17 @@ class _Table:
     def name_at(self, i: int) -> str:
         n = len(self._base_names)
         return self._base_names[i] if i < n else self._extra[i - n]
+
+    def ring_index(self, name: str) -> int:
+        """``name``'s place in the ring (where it would go, if it holds no slot)."""
+        i = self._ring_index.get(name)
+        if i is not None:
+            return i
+        return len(self._ring) + bisect.bisect_left(self._extra_ring, name)
+
+    def ring_at(self, i: int) -> str:
+        n = len(self._ring)
+        return self._ring[i] if i < n else self._extra_ring[i - n]
 
     def items(self) -> Iterator[tuple[str, _Member]]:
         for i in range(self.size()):

@@ -1,15 +1,17 @@
 """SWIM's failure-detection half: probes, relays, and the verdicts they lead to.
 
-Every protocol period this member pings the next member of a shuffled
-round-robin order (:func:`start_probe`); without an ack by the probe timeout it
-asks k others to ping the target for it (:func:`go_indirect`), chosen among the
-members it heard directly (:func:`heard`), never among those it only heard of,
-which anyone could have made up; without an ack by the end of the period the
-target is suspect. It also probes, out of turn, suspects that others accused and
-helpers that keep missing their nacks (:func:`confirmation_probes`), and members
-that refused a connection (:func:`start_fast_probe`), which are declared dead
-when ``refused_quorum`` members saw them refuse. For others' indirect probes it
-relays pings (:func:`on_ping_req`) and answers each with an ack or a nack.
+Every protocol period this member pings the member a stride away along the ring
+of members, a stride every member draws alike from the wall clock's period, so
+that each is probed by one other a period (:func:`start_probe`); without an ack
+by the probe timeout it asks k others to ping the target for it
+(:func:`go_indirect`), chosen among the members it heard directly
+(:func:`heard`), never among those it only heard of, which anyone could have
+made up; without an ack by the end of the period the target is suspect. It also
+probes, out of turn, suspects that others accused and helpers that keep missing
+their nacks (:func:`confirmation_probes`), and members that refused a connection
+(:func:`start_fast_probe`), which are declared dead when ``refused_quorum``
+members saw them refuse. For others' indirect probes it relays pings
+(:func:`on_ping_req`) and answers each with an ack or a nack.
 
 Suspicion timeouts end here too (:func:`expire_suspicions`): a confirmed one
 is a death, an unconfirmed one gets one last probe first. Local health
@@ -61,7 +63,7 @@ and each further silence would raise our local health."""
 
 
 def start_probe(s: SwimState, now: float, out: list[Outgoing]) -> None:
-    """This period's probe: the next target of the round-robin order."""
+    """This period's probe: the target a stride along the ring (:func:`_next_target`)."""
     period = health_scaled(s.cfg.protocol_period, s._awareness)
     s._next_probe = now + period
     target = _next_target(s, now)
@@ -75,12 +77,12 @@ def start_probe(s: SwimState, now: float, out: list[Outgoing]) -> None:
 def confirmation_probes(s: SwimState, now: float, out: list[Outgoing]) -> None:
     """Probe, out of turn, suspects that others accused: our independent verdict
     is a confirmation that brings the suspicion to its shortest timeout (or our
-    ack-carrying probe helps the suspect refute). Waiting for our round-robin turn
-    would take up to N periods — longer still while we are sick ourselves."""
+    ack-carrying probe helps the suspect refute). Waiting for our turn along the ring
+    would take about N periods — longer still while we are sick ourselves."""
     _ping_each(s, s._to_confirm, SUSPECT, now, out)
     # Helpers that keep missing nacks (see probe_failed): one that died would otherwise
-    # be asked again and again until our round-robin reaches it, each silence raising
-    # our local health — for hundreds of periods where made-up members fill the table.
+    # be asked again and again until our turn along the ring reaches it, each silence
+    # raising our local health — for hundreds of periods where made-up members fill the table.
     _ping_each(s, s._to_check, ALIVE, now, out)
 
 
@@ -120,8 +122,8 @@ def check_death(s: SwimState, target: str, now: float, out: list[Outgoing]) -> N
 def connection_lost(s: SwimState, target: str, address: str, now: float,
                     out: list[Outgoing]) -> None:
     """Our stream to ``target`` at ``address`` broke (its process died, or the
-    connection did): probe it now rather than at its round-robin turn, up to a
-    protocol period per member away. A dead process then refuses the ping, and the
+    connection did): probe it now rather than when a probe along the ring next
+    reaches it, a period or two away. A dead process then refuses the ping, and the
     refused fast path declares it dead within a round trip or two; a live one acks."""
     rec = s._table.get(target)
     if s._left or rec is None or rec.state != ALIVE or rec.address != address:
@@ -146,30 +148,56 @@ def start_fast_probe(
 
 
 def _next_target(s: SwimState, now: float) -> str | None:
-    """The next live member of a pseudo-random round-robin order.
+    """The member to probe this period: the one ``stride`` places after this member in
+    the table's ring (every member by name), or the first live one at a multiple of the
+    stride, the stride drawn afresh each period from the period's number on the wall
+    clock (:func:`ring_stride`).
 
-    Each pass visits every member exactly once in the order ``(a*i + b) mod M``
-    with fresh random a (coprime to M) and b: a shuffle that needs no list of
-    its own, so 10,000 simulated members do not each hold 10,000 names.
+    Members that agree on the clock and on the membership shift by the same stride, so
+    each member is probed by exactly one other in a period: a member that falls silent
+    is first probed within about a period (two at most, members' phases apart). With
+    each member's own shuffled order, as before, a member went unprobed in a period with
+    a chance of about 1/e whatever N, so the first probe of a silent one took a period on
+    average and 3 or more about one time in twenty. Members that disagree (clocks apart,
+    a member not yet known everywhere) probe one member twice and another not at all in
+    that period, as independent orders do every period.
     """
+    s._reclaim_in -= 1
+    if s._reclaim_in <= 0:  # about once a pass over the table, as the shuffled order did
+        s._reclaim(now)
+        s._reclaim_in = s._table.size()
     size = s._table.size()
-    for _ in range(2 * size + 2):
-        pos, length, mult, offset = s._order
-        if pos >= length:
-            s._reclaim(now)
-            length = s._table.size()
-            if length < 2:
-                return None
-            mult = s._rng.randrange(1, length)
-            while math.gcd(mult, length) != 1:
-                mult = s._rng.randrange(1, length)
-            pos, offset = 0, s._rng.randrange(length)
-        s._order = (pos + 1, length, mult, offset)
-        name = s._table.name_at((mult * pos + offset) % length)
-        rec = s._table.get(name)
-        if name != s.name and rec is not None and rec.state in _LIVE:
-            return name
+    if size < 2:
+        return None
+    period = math.floor((now + s.clock_offset) / s.cfg.protocol_period)
+    stride = ring_stride(period, size)
+    me = s._table.ring_index(s.name)
+    # Past a slot that is not live (dead, left, forgotten) go on by the same stride: its
+    # target becomes ours, so the live members still make one ring between them.
+    for step in (stride, 1):  # 1: no one else live in our orbit of the stride
+        at = me
+        for _ in range(size - 1):
+            at = (at + step) % size
+            if at == me:
+                break
+            name = s._table.ring_at(at)
+            rec = s._table.get(name)
+            if rec is not None and rec.state in _LIVE:
+                return name
     return None
+
+
+_MASK = (1 << 64) - 1
+
+
+def ring_stride(period: int, size: int) -> int:
+    """How many places along the ring of ``size`` slots every member's probe of
+    ``period`` goes: 1 to size - 1 (never itself), the same for every member (a
+    splitmix64 hash of the period's number, not Python's per-process ``hash``)."""
+    z = (period * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return 1 + (z ^ (z >> 31)) % (size - 1)
 
 
 # ---------------------------------------------------------------- probes in flight

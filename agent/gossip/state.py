@@ -158,7 +158,11 @@ class SwimState:
         self._meta_changed: dict[str, None] = {}
         self.log: deque[tuple[float, str, str, str]] = deque(maxlen=256)
         self._grace_until = -_INF
-        self._order = (0, 0, 1, 0)  # position, length, multiplier, offset of the probe pass
+        # Wall time less the ``now`` this member is given: the agent's ``now`` is
+        # monotonic, and the probe ring's stride is drawn from the wall clock's period
+        # number, which every member reads alike (``probe._next_target``).
+        self.clock_offset = 0.0
+        self._reclaim_in = 0  # probes until dead members are looked at for reclaiming
         self._join_pending: list[tuple[str, str]] = []
         self._join_target = ""
         self._join_addr = ""

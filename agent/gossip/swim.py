@@ -7,10 +7,12 @@ the agent's gRPC transport and in :mod:`simnet`, 10,000 members in one process.
 
 The protocol, per member:
 
-* Every protocol period it probes the next member of a shuffled round-robin
-  order: a ping; without an ack within the probe timeout, ``ping_req`` to k
-  others, who ping the target and forward its ack (or a nack when they could not
-  reach it); without an ack by the end of the period, the target is suspect.
+* Every protocol period it probes the member a stride away along the ring of
+  members by name, a stride every member draws alike from the wall clock's
+  period, so that each member is probed by one other a period: a ping; without
+  an ack within the probe timeout, ``ping_req`` to k others, who ping the target
+  and forward its ack (or a nack when they could not reach it); without an ack
+  by the end of the period, the target is suspect.
 * A suspicion becomes a death after the Lifeguard timeout, which starts long and
   shrinks as independent members confirm the suspicion. A suspected (or dead)
   member that hears of it refutes by raising its incarnation — including a
@@ -301,6 +303,21 @@ class Swim(SwimState):
         out: list[Outgoing] = []
         probe.check_death(self, member, now, out)
         return out
+
+    def dead_members(self) -> list[str]:
+        """Members held dead (not left), in the order they died, about."""
+        return list(self._dead)
+
+    def reconnect(self, member: str, address: str, now: float) -> list[Outgoing]:
+        """Push-pull with ``member``, which we hold dead, at ``address`` now, not when a
+        reconnect round happens to pick it (about once per ``reconnect_interval``
+        mesh-wide): the transport knows from elsewhere (etcd) that a later life of it
+        runs there. An exchange across a healed link makes both ends refute the deaths
+        they hold of each other. Nothing for a member not held dead."""
+        rec = self._table.get(member)
+        if self._left or rec is None or rec.state != DEAD:
+            return []
+        return [dissemination.push_pull_request(self, member, address)]
 
     def set_meta(self, meta: dict[str, Any], now: float) -> None:
         """Publish new meta about this member (bumps meta_version; gossiped as alive)."""
