@@ -79,8 +79,9 @@ CLOSE_GRACE_S = 3.0
 # still connected, keeps it (see Gossip._link_suspect).
 RESET_MIN_INTERVAL_S = 5.0
 # How often at most we push-pull a member gossip holds dead whose etcd record is a later
-# life (see Gossip._reach_new_lives).
+# life, and how many members of the mesh do so each time, about (Gossip._reach_new_lives).
 REACH_INTERVAL_S = 1.0
+REACH_FANOUT = 3
 
 
 def _encode(out: Outgoing) -> bytes:
@@ -176,7 +177,8 @@ class Gossip:
         self._reset_at: dict[str, float] = {}  # member -> when we last replaced its link
         # member -> when (monotonic) we first heard it suspected, while it stays suspect
         self._suspected_at: dict[str, float] = {}
-        self._reached: dict[str, float] = {}  # dead member -> when we last pushed-pulled it
+        self._reached: dict[str, float] = {}  # dead member -> when we last looked at it
+        self._rng = random.Random()
 
     # ------------------------------------------------------------------ running
     async def run(self) -> None:
@@ -240,9 +242,11 @@ class Gossip:
         stopped and went on): it may not know yet that we hold it dead, nor we that it
         lives again, and a reconnect round finds it only within about
         ``reconnect_interval`` (10 s) mesh-wide (8-10 s after the heal, in loaded
-        partition runs). Every member that sees the record tries, at most once every
-        ``REACH_INTERVAL_S`` while the record is a later life and the member dead to us;
-        etcd decides that it lives, gossip only hears it sooner."""
+        partition runs). Every ``REACH_INTERVAL_S`` while the record is a later life and
+        the member dead to us, each member that sees the record tries with a chance of
+        ``REACH_FANOUT / (N - 1)``: about that many tries a second mesh-wide, whatever N,
+        not one from every member (a thousand push-pulls a second at a node rejoined in
+        a 1,000-node mesh). Etcd decides that it lives; gossip only hears it sooner."""
         assert self.swim is not None
         dead = self.swim.dead_members()
         gone = set(self._reached).difference(dead)
@@ -254,10 +258,12 @@ class Gossip:
             if node is None or now - self._reached.get(member, -math.inf) < REACH_INTERVAL_S:
                 continue
             why = new_life(self.swim.member(member), node)
-            if why is not None:
-                if member not in self._reached:
-                    self.agent.decide(f"gossip: {member} {why}: reaching it")
-                self._reached[member] = now
+            if why is None:
+                continue
+            if member not in self._reached:
+                self.agent.decide(f"gossip: {member} {why}: reaching it")
+            self._reached[member] = now
+            if self._rng.random() * max(1, self.swim.live_count() - 1) < REACH_FANOUT:
                 self._send(self.swim.reconnect(member, node.address, now))
 
     def _has_peers(self) -> bool:

@@ -459,3 +459,22 @@ def test_a_member_dead_to_gossip_whose_record_is_a_later_life_is_reached_at_once
     assert elsewhere[0] == [("push_pull", "node2", "127.0.0.1:7009")]
     # The life that died (its lease is still the record's) waits for the reconnect rounds.
     assert reaching(NodeRecord("node2", ADDR, lease=0xA1)) == [[], [], [], [], []]
+
+
+def test_in_a_large_mesh_a_later_life_is_reached_by_a_few_members_a_second_not_by_all() -> None:
+    """Each of N members tries with a chance of 3 / (N - 1) a second: about three tries a
+    second mesh-wide, not a thousand at a node rejoined in a mesh of 1,000."""
+    gossip = Gossip(_Agent(NodeRecord("node2", ADDR, lease=0xB2)), CFG)  # type: ignore[arg-type]
+    swim = gossip.swim = dead_in_gossip({LEASE_KEY: "a1"})
+    others = tuple(Update.alive(f"peer{i}", f"127.0.1.{i // 250}:{7100 + i % 250}", 0, 1, {})
+                   for i in range(300))
+    swim.receive(Message("gossip", "node3", "127.0.0.1:7003", updates=others), 0.3)
+    assert swim.live_count() == 301  # node1 and the 300 peers
+    gossip._rng = random.Random(5)
+    sent: list[Outgoing] = []
+    gossip._send = sent.extend  # type: ignore[method-assign]
+    for second in range(600):
+        gossip._reach_new_lives(float(second))
+    # 600 s x 3 / 300: about 6 tries, where every member tried every second before.
+    assert 1 <= len(sent) <= 15, len(sent)
+    assert all(o.to == "node2" and o.message.kind == "push_pull" for o in sent)
