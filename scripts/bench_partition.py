@@ -173,7 +173,8 @@ def run_round(mesh: NetMesh, scenario: str, args: argparse.Namespace
         f"{r.victim} held {len(r.held)}; moved after [{moved}], kept {len(r.kept)}; its "
         f"tasks stopped after {secs(r.stopped)}; lost {len(r.lost)}, doubled "
         f"{len(r.doubled)}; listed {' -> '.join(r.seen)}; revokes: "
-        f"{'; '.join(r.revokes) or 'none'}"), r.log
+        f"{'; '.join(r.revokes) or 'none'}; rejoined {secs(r.rejoined)} after the heal; "
+        f"later life reached by {'; '.join(r.reached) or 'none'}"), r.log
 
 
 def run_mesh(root: Path, etcd_members: int, scenarios: list[str], args: argparse.Namespace,

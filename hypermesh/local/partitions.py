@@ -211,6 +211,9 @@ class RoundResult:
     seen: list[str] = field(default_factory=list)  # victim's (state/gossip) as listed
     # Every lease revoke any agent logged during the round, "who -> whom at +s".
     revokes: list[str] = field(default_factory=list)
+    # Every agent that pushed-pulled a later life of a member gossip held dead, "who ->
+    # whom at +s" (its node record in etcd had a new lease: Gossip._reach_new_lives).
+    reached: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)  # the victim's log lines since the cut
 
 
@@ -324,6 +327,9 @@ def partition_round(mesh: NetMesh, scenario: str, *, tasks: int = 4, seconds: fl
                 whom, why = line.split(" gossip: ", 1)[1].split(" ", 1)
                 how = "gave up" if why.startswith("gave up") else "dead"
                 result.revokes.append(f"{name} -> {whom} ({how}) at {when:+.1f}s")
+            elif line.endswith(": reaching it"):
+                whom = line.split(" gossip: ", 1)[1].split(" ", 1)[0]
+                result.reached.append(f"{name} -> {whom} at {log_time(line) - cut_at:+.1f}s")
     return result
 
 

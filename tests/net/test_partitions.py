@@ -100,6 +100,18 @@ def test_host_cut_from_etcd_only(three: NetMesh) -> None:
     assert result.stopped <= min(result.moved.values()) + 0.1, (result.stopped, result.moved)
 
 
+def test_host_cut_from_its_peers_only(three: NetMesh) -> None:
+    result = partition_round(three, "peers")
+    check_round(result)
+    # Its peers' probes failed: the leader revoked its lease, and it rejoined with a new
+    # one while still cut off, dead to gossip; the others then pushed-pulled that later
+    # life (Gossip._reach_new_lives) rather than wait for a reconnect round to find it.
+    assert any("(dead) at" in r and f"-> {result.victim} " in r for r in result.revokes), (
+        result.revokes)
+    assert any(r.split(" -> ")[1].startswith(f"{result.victim} ") for r in result.reached), (
+        result.reached, result.log[-20:])
+
+
 # -- the leader's host cut off ----------------------------------------------------------
 
 
