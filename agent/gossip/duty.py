@@ -178,6 +178,7 @@ class Gossip:
         # member -> when (monotonic) we first heard it suspected, while it stays suspect
         self._suspected_at: dict[str, float] = {}
         self._reached: dict[str, float] = {}  # dead member -> when we last looked at it
+        self._told: set[str] = set()  # of those, the ones we pushed-pulled (and logged)
         self._rng = random.Random()
 
     # ------------------------------------------------------------------ running
@@ -246,12 +247,14 @@ class Gossip:
         the member dead to us, each member that sees the record tries with a chance of
         ``REACH_FANOUT / (N - 1)``: about that many tries a second mesh-wide, whatever N,
         not one from every member (a thousand push-pulls a second at a node rejoined in
-        a 1,000-node mesh). Etcd decides that it lives; gossip only hears it sooner."""
+        a 1,000-node mesh); a member logs its first try. Etcd decides that it lives;
+        gossip only hears it sooner."""
         assert self.swim is not None
         dead = self.swim.dead_members()
         gone = set(self._reached).difference(dead)
         for member in gone:
             del self._reached[member]
+            self._told.discard(member)
         nodes = self.agent.view.nodes
         for member in dead:
             node = nodes.get(member)
@@ -260,11 +263,13 @@ class Gossip:
             why = new_life(self.swim.member(member), node)
             if why is None:
                 continue
-            if member not in self._reached:
-                self.agent.decide(f"gossip: {member} {why}: reaching it")
             self._reached[member] = now
-            if self._rng.random() * max(1, self.swim.live_count() - 1) < REACH_FANOUT:
-                self._send(self.swim.reconnect(member, node.address, now))
+            if self._rng.random() * max(1, self.swim.live_count() - 1) >= REACH_FANOUT:
+                continue
+            if member not in self._told:
+                self._told.add(member)
+                self.agent.decide(f"gossip: {member} {why}: reaching it")
+            self._send(self.swim.reconnect(member, node.address, now))
 
     def _has_peers(self) -> bool:
         assert self.swim is not None

@@ -473,8 +473,12 @@ def test_in_a_large_mesh_a_later_life_is_reached_by_a_few_members_a_second_not_b
     gossip._rng = random.Random(5)
     sent: list[Outgoing] = []
     gossip._send = sent.extend  # type: ignore[method-assign]
+    decided: list[str] = gossip.agent.decisions  # type: ignore[attr-defined]
     for second in range(600):
         gossip._reach_new_lives(float(second))
+        if not sent:
+            assert not decided  # a member that has not tried says nothing of it
     # 600 s x 3 / 300: about 6 tries, where every member tried every second before.
     assert 1 <= len(sent) <= 15, len(sent)
     assert all(o.to == "node2" and o.message.kind == "push_pull" for o in sent)
+    assert len(decided) == 1 and decided[0].endswith(": reaching it"), decided
