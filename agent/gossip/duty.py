@@ -186,7 +186,6 @@ class Gossip:
         a = self.agent
         now = time.monotonic()
         self.swim = Swim(a.cfg.name, a.address, self.cfg, random.Random(), now, meta=self.meta())
-        self.swim.clock_offset = time.time() - now
         self._meta_at = now
         try:
             while True:
