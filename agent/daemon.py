@@ -119,6 +119,11 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG, 20, 20)
 
 
+def loop_kind(loop: asyncio.AbstractEventLoop) -> str:
+    """Which event loop runs the agent: ``uvloop``, or ``asyncio`` (its log says)."""
+    return type(loop).__module__.partition(".")[0]
+
+
 class Agent:
     """One agent: its configuration, its lease, its mirror of the namespace and its duties.
 
@@ -388,6 +393,7 @@ class Agent:
         self.lifeline = Lifeline.open(self.work_dir, self.decide)
         use_pidfd_child_watcher()
         hush_broken_stream_noise(asyncio.get_running_loop())
+        self.decide(f"event loop: {loop_kind(asyncio.get_running_loop())}")
         tune_gc()
         await self.etcd.connect()
         self._server = grpc.aio.server(options=(*SMALL_MESSAGE_GRPC_OPTIONS,

@@ -328,4 +328,4 @@ def agent_start(
         dump_profile()
         os._exit(0)
 
-    run_async(run_then_exit)()
+    run_async(run_then_exit, agent_loop=True)()

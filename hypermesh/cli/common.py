@@ -4,7 +4,8 @@
   takes (also accepted before the command name), resolved against the environment;
 - ``override_option``: ``--set EXP.FIELD=VALUE``, for the commands that load a recipe;
 - ``run_async``: runs an async command and turns hypermesh errors into a message on
-  stderr and the exit code (2 bad input, 1 a failure at run time);
+  stderr and the exit code (2 bad input, 1 a failure at run time); the agent's loop is
+  uvloop's (``agent_loop_runner``);
 - ``load_view``: the records of a namespace, or of one workflow, read from etcd;
 - ``task_rows`` and ``listed_total``: ``tasks``' rows of a workflow, streamed a batch of
   tasks at a time, and how many there are;
@@ -103,13 +104,42 @@ def dump_profile() -> None:
         _profile.dump_stats(os.path.join(out, f"{os.getpid()}.prof"))
 
 
-def run_async(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., T]:
-    """Run an async command; turn hypermesh errors into messages and exit codes."""
+ENV_EVENT_LOOP = "HYPERMESH_EVENT_LOOP"
+"""``asyncio`` runs the agent on asyncio's own event loop instead of uvloop's."""
+
+
+def agent_loop_runner() -> Callable[[Coroutine[Any, Any, T]], T]:
+    """How the agent runs its loop: ``uvloop.run`` (libuv's loop, its bookkeeping in C),
+    or ``asyncio.run`` where uvloop is not installed or ``HYPERMESH_EVENT_LOOP=asyncio``.
+
+    An agent wakes for every process exit, etcd reply and gossip message; on uvloop
+    each wake-up costs less of the agent's own CPU: 0.92x the CPU per task at 4 x 4,
+    0.85x at 32 x 1 (docs/benchmarks.md, "The agents on uvloop"). Any other value
+    of the variable is refused: a typo should not silently pick a loop."""
+    choice = os.environ.get(ENV_EVENT_LOOP, "uvloop").strip().lower() or "uvloop"
+    if choice == "asyncio":
+        return asyncio.run
+    if choice != "uvloop":
+        raise UsageError(f"{ENV_EVENT_LOOP}={choice!r}: expected uvloop or asyncio")
+    try:
+        import uvloop
+    except ImportError:  # an install without it (not a platform uvloop supports)
+        return asyncio.run
+    return uvloop.run
+
+
+def run_async(
+    fn: Callable[..., Coroutine[Any, Any, T]], *, agent_loop: bool = False
+) -> Callable[..., T]:
+    """Run an async command; turn hypermesh errors into messages and exit codes.
+    ``agent_loop``: on the loop ``agent_loop_runner`` picks (the agent), else asyncio's
+    (a command's few round trips gain nothing from uvloop, and skip importing it)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
-            return _profiled(asyncio.run, fn(*args, **kwargs))
+            run = agent_loop_runner() if agent_loop else asyncio.run
+            return _profiled(run, fn(*args, **kwargs))
         except RecipeError as exc:
             for problem in exc.problems:
                 click.echo(f"error: {problem}", err=True)
